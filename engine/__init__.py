@@ -1,0 +1,1 @@
+"""kvshare engine: a torch-free core (pool, cache, scheduler) and a torch runtime."""

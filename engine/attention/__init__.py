@@ -1,0 +1,1 @@
+"""Paged attention backends behind one interface (see base.py)."""

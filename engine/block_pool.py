@@ -1,0 +1,146 @@
+"""Physical KV blocks: a free list and a refcount per block (torch-free).
+
+Who holds a reference: each live sequence whose block table lists the block holds one,
+and the prefix tree holds one for every block it owns (`is_tree_owned`). The pool does not
+know the holders; KVCacheManager / RadixCache keep their own records and check_integrity()
+of the manager compares the sums.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+class NoFreeBlocksError(RuntimeError):
+    """allocate() on an empty pool; callers check num_free_blocks first."""
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    num_total_blocks: int
+    num_free_blocks: int
+    num_private_blocks: int  # refcount 1, not owned by the tree
+    num_shared_blocks: int  # refcount > 1
+    num_cached_blocks: int  # refcount 1 and owned by the tree (only the tree holds it)
+    fragmentation_ratio: float  # unused slots in allocated blocks / allocated slots
+    usage_watermark: float  # peak used fraction since start
+
+
+class BlockPool:
+    """N blocks of block_size token slots. Block ids are 0..N-1.
+
+    allocate() hands out a block with refcount 1 (a fresh, private block);
+    incref/decref walk the same path back; a block returns to the free list when its
+    refcount reaches 0. Freed blocks are reused oldest-freed first.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._refcounts = [0] * num_blocks
+        self._num_tokens = [0] * num_blocks  # filled slots, for fragmentation
+        self._tree_owned = [False] * num_blocks
+        self._free_ids: deque[int] = deque(range(num_blocks))
+        self._peak_used = 0
+
+    # -- allocation -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free_ids)
+
+    def allocate(self) -> int:
+        if not self._free_ids:
+            raise NoFreeBlocksError("no free KV blocks")
+        block_id = self._free_ids.popleft()
+        assert self._refcounts[block_id] == 0, f"block {block_id} on the free list is in use"
+        self._refcounts[block_id] = 1
+        self._num_tokens[block_id] = 0
+        self._peak_used = max(self._peak_used, self.num_used_blocks)
+        return block_id
+
+    def incref(self, block_id: int) -> int:
+        assert self._refcounts[block_id] > 0, f"incref of free block {block_id}"
+        self._refcounts[block_id] += 1
+        return self._refcounts[block_id]
+
+    def decref(self, block_id: int) -> int:
+        """Drop one reference; at 0 the block is free again. Returns the new refcount."""
+        refcount = self._refcounts[block_id]
+        assert refcount > 0, f"decref of free block {block_id}"
+        refcount -= 1
+        self._refcounts[block_id] = refcount
+        if refcount == 0:
+            assert not self._tree_owned[block_id], f"block {block_id} freed while tree-owned"
+            self._num_tokens[block_id] = 0
+            self._free_ids.append(block_id)
+        return refcount
+
+    def refcount(self, block_id: int) -> int:
+        return self._refcounts[block_id]
+
+    # -- ownership and fill -------------------------------------------------------------
+    def set_tree_owned(self, block_id: int, owned: bool) -> None:
+        assert self._refcounts[block_id] > 0, f"tree ownership of free block {block_id}"
+        self._tree_owned[block_id] = owned
+
+    def is_tree_owned(self, block_id: int) -> bool:
+        return self._tree_owned[block_id]
+
+    def is_writable(self, block_id: int) -> bool:
+        """Only a block held by exactly one sequence and not by the tree may be written."""
+        return self._refcounts[block_id] == 1 and not self._tree_owned[block_id]
+
+    def set_num_tokens(self, block_id: int, num_tokens: int) -> None:
+        assert 0 <= num_tokens <= self.block_size
+        self._num_tokens[block_id] = num_tokens
+
+    def num_tokens(self, block_id: int) -> int:
+        return self._num_tokens[block_id]
+
+    # -- figures and checks -------------------------------------------------------------
+    def usage(self) -> BlockUsage:
+        private = shared = cached = 0
+        filled = 0
+        for block_id, refcount in enumerate(self._refcounts):
+            if refcount == 0:
+                continue
+            filled += self._num_tokens[block_id]
+            if refcount > 1:
+                shared += 1
+            elif self._tree_owned[block_id]:
+                cached += 1
+            else:
+                private += 1
+        used = self.num_used_blocks
+        allocated_slots = used * self.block_size
+        return BlockUsage(
+            num_total_blocks=self.num_blocks,
+            num_free_blocks=self.num_free_blocks,
+            num_private_blocks=private,
+            num_shared_blocks=shared,
+            num_cached_blocks=cached,
+            fragmentation_ratio=(allocated_slots - filled) / allocated_slots if used else 0.0,
+            usage_watermark=self._peak_used / self.num_blocks,
+        )
+
+    def total_refcount(self) -> int:
+        return sum(self._refcounts)
+
+    def check_integrity(self) -> None:
+        """Free list and refcounts agree: free <=> refcount 0, no duplicates, no tree owner."""
+        free = set(self._free_ids)
+        assert len(free) == len(self._free_ids), "duplicate block on the free list"
+        for block_id, refcount in enumerate(self._refcounts):
+            assert refcount >= 0, f"block {block_id} has refcount {refcount}"
+            is_free = block_id in free
+            assert is_free == (refcount == 0), (
+                f"block {block_id}: refcount {refcount} but on free list: {is_free}"
+            )
+            assert not (is_free and self._tree_owned[block_id]), f"free block {block_id} tree-owned"

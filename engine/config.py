@@ -1,0 +1,50 @@
+"""Engine configuration (torch-free): one frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import ParamError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs. Sizes are in tokens/blocks/bytes as their names say."""
+
+    model: str | None = None  # HF dir, hub id (offline cache), .gguf file; None: embedded default
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
+    device: str = "auto"  # auto | cpu | cuda
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size in blocks; wins over the next two
+    kv_cache_bytes: int | None = None  # pool size in bytes (CPU default: 1 GiB)
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of memory for weights + activations + KV
+    max_model_len: int | None = None  # None: the model's own context window
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_cache: bool = True
+    scheduling_policy: str = "fcfs"  # fcfs | longest-prefix-first
+    attention_backend: str = "auto"  # auto | torch | triton
+    enforce_eager: bool = False  # CUDA: no CUDA graphs
+    num_threads: int | None = None  # CPU: torch threads (None: torch's default)
+    cache_dir: str | None = None  # None: $KVSHARE_CACHE_DIR or ~/.cache/kvshare
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128"),
+            (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1"),
+            (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
+            (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
+             "must be auto, float32, bfloat16 or float16"),
+            (self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda"),
+            (self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
+             "must be auto, torch or triton"),
+            (self.scheduling_policy in ("fcfs", "longest-prefix-first"), "scheduling_policy",
+             "must be fcfs or longest-prefix-first"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ParamError(name, f"{name} {rule}, got {getattr(self, name)!r}")
