@@ -20,7 +20,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 serve: setup
 	$(BIN)/kvshare serve --config config/cpu.yaml --host 127.0.0.1 --port 8000
 
+# Tests also need a real Prometheus (Debian package; promtool checks and the metrics test).
 test: setup
+	bash scripts/install_prometheus.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q -p no:cacheprovider

@@ -31,19 +31,44 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128"),
-            (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1"),
-            (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0"),
-            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"),
+            (
+                self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+                "num_kv_blocks",
+                "must be >= 1",
+            ),
+            (
+                self.kv_cache_bytes is None or self.kv_cache_bytes > 0,
+                "kv_cache_bytes",
+                "must be > 0",
+            ),
+            (
+                0.0 < self.gpu_memory_utilization <= 1.0,
+                "gpu_memory_utilization",
+                "must be in (0, 1]",
+            ),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
-            (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype",
-             "must be auto, float32, bfloat16 or float16"),
+            (
+                self.dtype in ("auto", "float32", "bfloat16", "float16"),
+                "dtype",
+                "must be auto, float32, bfloat16 or float16",
+            ),
             (self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda"),
-            (self.attention_backend in ("auto", "torch", "triton"), "attention_backend",
-             "must be auto, torch or triton"),
-            (self.scheduling_policy in ("fcfs", "longest-prefix-first"), "scheduling_policy",
-             "must be fcfs or longest-prefix-first"),
-            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"),
+            (
+                self.attention_backend in ("auto", "torch", "triton"),
+                "attention_backend",
+                "must be auto, torch or triton",
+            ),
+            (
+                self.scheduling_policy in ("fcfs", "longest-prefix-first"),
+                "scheduling_policy",
+                "must be fcfs or longest-prefix-first",
+            ),
+            (
+                self.max_model_len is None or self.max_model_len >= 1,
+                "max_model_len",
+                "must be >= 1",
+            ),
         ]
         for ok, name, rule in checks:
             if not ok:

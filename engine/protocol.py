@@ -128,11 +128,20 @@ class EngineClient(Protocol):
     (client disconnect) the implementation aborts the request and frees its blocks.
     """
 
-    model_info: ModelInfo
+    async def start(self) -> None:
+        """Begin loading the model in the background; returns at once (is_ready tells when)."""
+        ...
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The served model; only valid once is_ready is True."""
+        ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
 
-    async def abort(self, request_id: str) -> None: ...
+    async def abort(self, request_id: str, choice_index: int | None = None) -> None:
+        """Abort a whole request, or only one of its choices (a stop string ended it)."""
+        ...
 
     def stats(self) -> EngineStats: ...
 
@@ -141,6 +150,11 @@ class EngineClient(Protocol):
 
     @property
     def num_waiting(self) -> int: ...
+
+    @property
+    def load_error(self) -> str | None:
+        """Why loading failed, if it did (the server then reports it and stays unready)."""
+        ...
 
     async def shutdown(self) -> None: ...
 

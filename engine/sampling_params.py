@@ -49,8 +49,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", f"n must be >= 1, got {self.n}")
-        _check(self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
-        _check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        _check(
+            self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"
+        )
+        _check(
+            self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"
+        )
         _check(
             self.min_tokens <= self.max_tokens,
             "min_tokens",

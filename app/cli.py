@@ -1,0 +1,61 @@
+"""`kvshare serve | generate | estimate`.
+
+Heavy imports (torch, the engine runtime) happen inside the subcommand that needs them,
+so `kvshare --help` and the app modules stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+
+from app.settings import SettingsError, add_settings_flags, flag_overrides, load_settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvshare",
+        description="OpenAI-compatible LLM server: KV cache shared physically, isolated logically.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="Settings: built-in defaults < --config YAML < KVSHARE_* env < flags.",
+    )
+    serve.add_argument("--config", metavar="YAML", help="settings file, e.g. config/cpu.yaml")
+    add_settings_flags(serve)
+    serve.set_defaults(handler=_serve)
+
+    # ---- `generate` and `estimate` subcommands: added here by the engine side. ----
+
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        settings = load_settings(args.config, os.environ, flag_overrides(args))
+    except SettingsError as e:
+        print(f"kvshare serve: error: {e}", file=sys.stderr)
+        return 2
+    from app.server import build_server, configure_logging, create_app
+    from engine.async_engine import AsyncEngine  # lazy: loads torch
+
+    configure_logging(settings.server.log_level, settings.server.log_format)
+    engine = AsyncEngine(settings.to_engine_config())
+    app = create_app(engine, settings)
+    asyncio.run(build_server(app, settings).serve())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""The only place Prometheus metric objects are defined (names: /work/shared/DESIGN.md).
+
+One ServerMetrics per app, on its own CollectorRegistry, so apps (and tests) never share
+series. Engine numbers are read at scrape time: refresh(stats) observes the steps and audits
+drained since the last scrape into histograms, and a custom collector exposes the cumulative
+counters and gauges of that snapshot as they are (no delta bookkeeping).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.protocol import EngineStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5)
+_DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_DIFF_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
+
+# name (without _total), help, EngineStats field
+_ENGINE_COUNTERS = (
+    ("kvshare_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("kvshare_prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("kvshare_cache_audits", "Shadow recomputations that checked cached KV.", "num_audits"),
+    ("kvshare_cache_audits_dropped", "Audits skipped because the audit queue was full.",
+     "num_audits_dropped"),
+    ("kvshare_cache_quarantined_blocks", "KV blocks quarantined after a failed audit.",
+     "num_quarantined_blocks"),
+    ("kvshare_kv_cow_copies", "Copy-on-write copies of shared KV blocks.", "num_cow_copies"),
+    ("kvshare_kv_evictions", "KV blocks evicted from the prefix cache.", "num_evictions"),
+    ("kvshare_preemptions", "Sequences preempted to free KV blocks.", "num_preemptions"),
+    ("kvshare_prompt_tokens", "Prompt tokens of admitted requests.", "num_prompt_tokens"),
+    ("kvshare_prefill_tokens", "Prompt tokens actually computed (not served from cache).",
+     "num_prefill_tokens"),
+    ("kvshare_generation_tokens", "Tokens generated.", "num_generation_tokens"),
+)  # fmt: skip
+_ENGINE_GAUGES = (
+    ("kvshare_kv_blocks_total", "KV blocks in the pool.", "num_total_blocks"),
+    ("kvshare_kv_usage_watermark", "Peak fraction of KV blocks in use since start.",
+     "kv_usage_watermark"),
+    ("kvshare_kv_fragmentation_ratio", "Unused token slots in allocated blocks / allocated slots.",
+     "kv_fragmentation_ratio"),
+    ("kvshare_kv_blocks_leaked", "Blocks the accounting cannot attribute (must stay 0).",
+     "num_leaked_blocks"),
+)  # fmt: skip
+_BLOCK_STATES = (
+    ("free", "num_free_blocks"),
+    ("private", "num_private_blocks"),
+    ("shared", "num_shared_blocks"),
+    ("cached", "num_cached_blocks"),
+)
+
+
+class ServerMetrics:
+    """Per-app metrics. Observation methods are cheap and safe from any thread."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self._lock = threading.Lock()
+        self._stats = EngineStats()
+        self._finished = dict.fromkeys(FINISH_REASONS, 0)
+        self._define_histograms()
+        self.registry.register(_SnapshotCollector(self))
+
+    def _define_histograms(self) -> None:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=self.registry)
+
+        self.time_to_first_token = histogram(
+            "kvshare_time_to_first_token_seconds",
+            "Seconds from request arrival to its first generated token.",
+            _LATENCY_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "kvshare_inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of a request.",
+            _TOKEN_GAP_BUCKETS,
+        )
+        self.request_duration = histogram(
+            "kvshare_request_duration_seconds",
+            "Seconds from request arrival to its end (any finish reason).",
+            _DURATION_BUCKETS,
+        )
+        self.step_duration = histogram(
+            "kvshare_step_duration_seconds", "Seconds per engine step.", _TOKEN_GAP_BUCKETS
+        )
+        self.batch_size = histogram(
+            "kvshare_batch_size", "Sequences per engine step.", _BATCH_BUCKETS
+        )
+        self.audit_max_abs_diff = histogram(
+            "kvshare_cache_audit_max_abs_diff",
+            "Largest |cached - recomputed| logit difference per cache audit.",
+            _DIFF_BUCKETS,
+        )
+
+    # -- observed by the app ----------------------------------------------------------------
+
+    def observe_request(self, finish_reason: str, duration_s: float) -> None:
+        """One request ended: stop | length (any choice cut by max_tokens) | abort | error."""
+        with self._lock:
+            self._finished[finish_reason] = self._finished.get(finish_reason, 0) + 1
+        self.request_duration.observe(duration_s)
+
+    # -- fed from the engine at scrape time ---------------------------------------------------
+
+    def refresh(self, stats: EngineStats) -> None:
+        """Take a fresh EngineStats: histogram the drained steps/audits, keep the rest."""
+        for step in stats.recent_steps:
+            self.step_duration.observe(step.duration_s)
+            self.batch_size.observe(step.num_seqs)
+        for diff in stats.recent_audit_max_abs_diffs:
+            self.audit_max_abs_diff.observe(diff)
+        with self._lock:
+            self._stats = stats
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of everything in this registry."""
+        return generate_latest(self.registry)
+
+    def snapshot(self) -> tuple[EngineStats, dict[str, int]]:
+        with self._lock:
+            return self._stats, dict(self._finished)
+
+
+class _SnapshotCollector(Collector):
+    """Exposes the last EngineStats and the app's finish counts as they are."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        stats, finished = self._metrics.snapshot()
+        yield from _engine_counters(stats)
+        yield from _engine_gauges(stats)
+        requests = CounterMetricFamily(
+            "kvshare_requests",
+            "Requests ended, by finish reason (stop, length, abort, error).",
+            labels=["finish_reason"],
+        )
+        for reason, count in finished.items():
+            requests.add_metric([reason], count)
+        yield requests
+
+
+def _engine_counters(stats: EngineStats) -> Iterator[Metric]:
+    for name, doc, field in _ENGINE_COUNTERS:
+        yield CounterMetricFamily(name, doc, value=getattr(stats, field))
+    mismatches = CounterMetricFamily(
+        "kvshare_cache_audit_mismatches",
+        "Audits whose recomputed KV differed: corruption (wrong data) or drift (numerics).",
+        labels=["kind"],
+    )
+    mismatches.add_metric(["corruption"], stats.num_audit_corruptions)
+    mismatches.add_metric(["drift"], stats.num_audit_drifts)
+    yield mismatches
+
+
+def _engine_gauges(stats: EngineStats) -> Iterator[Metric]:
+    for name, doc, field in _ENGINE_GAUGES:
+        yield GaugeMetricFamily(name, doc, value=getattr(stats, field))
+    blocks = GaugeMetricFamily("kvshare_kv_blocks", "KV blocks by state.", labels=["state"])
+    memory = GaugeMetricFamily(
+        "kvshare_kv_memory_bytes", "KV cache bytes by block state.", labels=["state"]
+    )
+    for state, field in _BLOCK_STATES:
+        num_blocks = getattr(stats, field)
+        blocks.add_metric([state], num_blocks)
+        memory.add_metric([state], num_blocks * stats.bytes_per_block)
+    yield blocks
+    yield memory
+    requests = GaugeMetricFamily(
+        "kvshare_requests", "Requests in the engine, by state.", labels=["state"]
+    )
+    requests.add_metric(["running"], stats.num_running)
+    requests.add_metric(["waiting"], stats.num_waiting)
+    yield requests

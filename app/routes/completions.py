@@ -1,0 +1,17 @@
+"""POST /v1/completions"""
+
+from fastapi import APIRouter, Request, Response
+
+from app.protocol import CompletionRequest
+from app.routes.deps import AdmittedServing, Record
+from app.streaming import respond
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(
+    body: CompletionRequest, request: Request, serving: AdmittedServing, record: Record
+) -> Response:
+    prepared = serving.prepare_completion(body, record)
+    return await respond(request, serving, prepared, record, stream=bool(body.stream))

@@ -1,0 +1,325 @@
+"""create_app(engine_client, settings) -> FastAPI, and the uvicorn driver with graceful drain.
+
+No module globals: everything an app needs hangs off app.state.kvshare (a ServerState).
+The ASGI middlewares here are plain ASGI (not BaseHTTPMiddleware) so that streaming
+responses and disconnect messages pass through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+
+import anyio
+import uvicorn
+from fastapi import FastAPI
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import APIError, error_response, install_error_handlers
+from app.metrics import ServerMetrics
+from app.routes import chat, completions, health, metrics, models
+from app.routes.deps import ServerState
+from app.serving import RequestRecord
+from app.settings import Settings
+from engine.protocol import EngineClient
+
+logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("kvshare.access")
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_GENERATION_PREFIX = "/v1/"
+
+
+def create_app(engine_client: EngineClient, settings: Settings) -> FastAPI:
+    """An app serving `engine_client`. Its lifespan starts the engine and shuts it down."""
+    state = ServerState(engine_client, settings, ServerMetrics())
+    app = FastAPI(
+        title="kvshare",
+        summary="OpenAI-compatible LLM server with a shared, isolated KV cache",
+        lifespan=_lifespan(state),
+        middleware=_middleware(state),
+    )
+    app.state.kvshare = state
+    install_error_handlers(app)
+    for module in (chat, completions, models, health, metrics):
+        app.include_router(module.router)
+    return app
+
+
+def _middleware(state: ServerState) -> list[Middleware]:
+    server = state.settings.server
+    stack = [Middleware(RequestContextMiddleware, state=state)]
+    if server.cors_allow_origins:
+        stack.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(server.cors_allow_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+            )
+        )
+    if server.api_keys:
+        stack.append(Middleware(ApiKeyMiddleware, api_keys=server.api_keys))
+    stack.append(Middleware(BodyLimitMiddleware, max_body_bytes=server.max_body_bytes))
+    return stack
+
+
+def _lifespan(state: ServerState):
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.engine.start()
+        loader = asyncio.ensure_future(state.load())
+        try:
+            yield
+        finally:
+            state.begin_drain()
+            with anyio.CancelScope(shield=True):
+                loader.cancel()
+                await asyncio.gather(loader, return_exceptions=True)
+                await state.engine.shutdown()
+
+    return lifespan
+
+
+# -- middleware -------------------------------------------------------------------------------
+
+
+class RequestContextMiddleware:
+    """X-Request-Id in and out, the RequestRecord, in-flight counting, one access-log line."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = _header(scope, b"x-request-id")
+        request_id = given if given and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        record = RequestRecord(request_id=request_id)
+        scope.setdefault("state", {})["record"] = record
+        status = 500  # if the app raises before it starts a response
+        counted = scope["path"].startswith(_GENERATION_PREFIX)
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = list(message.get("headers", []))
+                headers.append((b"x-request-id", request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        start = time.monotonic()
+        self.state.num_in_flight += counted
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self.state.num_in_flight -= counted
+            self._log(scope, status, record, time.monotonic() - start)
+
+    def _log(self, scope: Scope, status: int, record: RequestRecord, duration_s: float) -> None:
+        fields = {
+            "request_id": record.request_id,
+            "method": scope["method"],
+            "path": scope["path"],
+            "status": status,
+            "prompt_tokens": record.prompt_tokens,
+            "completion_tokens": record.completion_tokens,
+            "cached_tokens": record.cached_tokens,
+            "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 4),
+            "duration_s": round(duration_s, 4),
+            "finish_reason": record.finish_reason,
+        }
+        if record.prompt is not None:  # set only with log_prompts
+            fields["prompt"] = record.prompt
+        text = " ".join(f"{key}={value}" for key, value in fields.items() if key != "prompt")
+        if record.prompt is not None:
+            text += f" prompt={record.prompt!r}"
+        access_logger.info(text, extra={"fields": fields})
+
+
+class ApiKeyMiddleware:
+    """401 for /v1/ requests without a valid `Authorization: Bearer <key>`."""
+
+    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.api_keys = [key.encode() for key in api_keys]
+
+    def _is_valid(self, scope: Scope) -> bool:
+        header = _header(scope, b"authorization") or ""
+        scheme, _, token = header.partition(" ")
+        given = token.strip().encode()
+        # Compare with every key, always: the time taken says nothing about which one matched.
+        matches = [hmac.compare_digest(given, key) for key in self.api_keys]
+        return scheme.lower() == "bearer" and any(matches)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(_GENERATION_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        if not self._is_valid(scope):
+            message = "Invalid or missing API key. Send it as `Authorization: Bearer <key>`."
+            headers = {"WWW-Authenticate": "Bearer"}
+            error = APIError(401, message, code="invalid_api_key", headers=headers)
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a body over max_body_bytes: by Content-Length, and by counting what arrives.
+
+    The body is read here (it is small by construction) and replayed to the app; after it,
+    receive() passes through so that the app still sees http.disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._reject(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body: nobody to answer
+            body += message.get("body", b"")
+            if len(body) > self.max_body_bytes:
+                await self._reject(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = {"type": "http.request", "body": bytes(body), "more_body": False}
+        await self.app(scope, _replay([replayed], receive), send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"The request body is larger than the limit of {self.max_body_bytes} bytes."
+        error = APIError(413, message, code="request_too_large")
+        await error_response(error)(scope, receive, send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replayed_receive() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed_receive
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+# -- logging ----------------------------------------------------------------------------------
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; access-log fields (record.fields) become top-level keys."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        data = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        data.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            data["exc_info"] = self.formatException(record.exc_info)
+        return json.dumps(data, ensure_ascii=False, default=str)
+
+
+def configure_logging(level: str, log_format: str) -> None:
+    """Root logging for the process (the CLI calls this once)."""
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+# -- serving with a graceful drain -------------------------------------------------------------
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose SIGTERM/SIGINT drains first.
+
+    First signal: /ready turns 503 and new requests get 503, running ones may finish for
+    shutdown_grace_seconds, then uvicorn shuts down (cancelling what is left, which aborts it
+    in the engine) and the lifespan shuts the engine down. A second signal exits at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._drain_task: asyncio.Task[None] | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        installed = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, self.begin_shutdown)
+                installed.append(sig)
+        try:
+            yield
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+
+    def begin_shutdown(self) -> None:
+        """Start the drain; called again, exit now."""
+        if self._drain_task is not None:
+            self.should_exit = self.force_exit = True
+            return
+        self.state.begin_drain()
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        grace = self.state.settings.server.shutdown_grace_seconds
+        if not await self.state.wait_idle(grace):
+            logger.warning("grace period over: cancelling %d request(s)", self.state.num_in_flight)
+        self.should_exit = True
+
+
+def build_server(app: FastAPI, settings: Settings) -> DrainingServer:
+    """A uvicorn server for `app` (access logs are ours, one line per request)."""
+    server = settings.server
+    config = uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=1,  # after our own grace period
+        lifespan="on",
+    )
+    return DrainingServer(config, app.state.kvshare)

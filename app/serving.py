@@ -1,0 +1,390 @@
+"""HTTP-free services: OpenAI requests -> EngineRequests, engine outputs -> responses/chunks.
+
+One logic serves streaming and non-streaming: run() turns engine outputs into ChoiceDeltas
+(incremental detokenization, stop strings, per-choice aborts) and the formatters in
+app/protocol.py make chunks of each delta, or fold all of them into one response. So the
+streamed and the non-streamed text always agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from app.errors import APIError, EngineError
+from app.metrics import ServerMetrics
+from app.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatFormatter,
+    ChoiceDelta,
+    CompletionFormatter,
+    CompletionRequest,
+    CompletionResponse,
+    Formatter,
+    Usage,
+)
+from app.settings import ServerSettings
+from app.streaming import merge
+from engine.protocol import (
+    CompletionOutput,
+    EngineClient,
+    EngineRequest,
+    FinishReason,
+    ModelInfo,
+    RequestOutput,
+)
+from engine.sampling_params import ParamError
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestRecord:
+    """What the access log line reports about one HTTP request; filled in as it runs."""
+
+    request_id: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: float | None = None
+    finish_reason: str | None = None
+    prompt: str | None = None  # kept only with log_prompts
+
+    def usage(self) -> Usage:
+        return Usage.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The loaded model as the front end sees it."""
+
+    name: str  # the id clients send in `model`
+    info: ModelInfo
+    tokenizer: Tokenizer
+
+    @property
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(f"{self.info.name}:{self.info.weights_version}".encode())
+        return "fp_" + digest.hexdigest()[:10]
+
+
+@dataclass
+class Prepared:
+    """A validated request, tokenized once, ready for the engine."""
+
+    formatter: Formatter
+    engine_requests: list[EngineRequest]
+    stop: tuple[str, ...]
+    include_usage: bool
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_choices(self) -> int:
+        return sum(r.sampling_params.n for r in self.engine_requests)
+
+
+class _Choice:
+    """One choice's progress: detokenizer, stop strings, token count, finish reason."""
+
+    def __init__(self, index: int, detokenizer: IncrementalDetokenizer) -> None:
+        self.index = index
+        self.detokenizer = detokenizer
+        self.finish_reason: str | None = None
+
+    def advance(self, output: CompletionOutput) -> ChoiceDelta:
+        delta = ChoiceDelta(self.index)
+        logprobs = output.new_logprobs or []
+        for position, token_id in enumerate(output.new_token_ids):
+            delta.text_offsets.append(self.detokenizer.num_decoded_chars)
+            delta.text += self.detokenizer.feed_token(token_id)
+            delta.token_ids.append(token_id)
+            if position < len(logprobs):
+                delta.logprobs.append(logprobs[position])
+            if self.detokenizer.is_stopped:  # later tokens lie beyond the cut
+                self.finish_reason = delta.finish_reason = "stop"
+                return delta
+        if output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            delta.text += self.detokenizer.finish()
+            self.finish_reason = delta.finish_reason = output.finish_reason.value
+        elif output.finish_reason is not None:
+            raise EngineError(f"the engine ended choice {self.index} ({output.finish_reason})")
+        return delta
+
+
+class OpenAIServing:
+    """Chat and completions over one EngineClient and one loaded model."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        model: ServedModel,
+        settings: ServerSettings,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.engine = engine
+        self.model = model
+        self.settings = settings
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    # -- request -> EngineRequest(s) ----------------------------------------------------------
+
+    def check_model(self, requested: str | None) -> None:
+        if requested is not None and requested not in (self.model.name, self.model.info.name):
+            message = (
+                f"The model `{requested}` does not exist (this server serves `{self.model.name}`)."
+            )
+            raise APIError(404, message, param="model", code="model_not_found")
+
+    def prepare_chat(self, request: ChatCompletionRequest, record: RequestRecord) -> Prepared:
+        """Validate, apply the chat template, tokenize once. Raises APIError/ParamError (400s)."""
+        self.check_model(request.model)
+        messages = [m.to_template_dict() for m in request.messages]
+        prompt_token_ids = self.model.tokenizer.apply_chat_template(messages)
+        if self.settings.log_prompts:
+            record.prompt = self.model.tokenizer.render_chat(messages)
+        response_id, engine_requests = self._engine_requests(
+            "chatcmpl", [prompt_token_ids], request, prompt_param="messages"
+        )
+        formatter = ChatFormatter(**self._formatter_fields(response_id, bool(request.logprobs)))
+        return Prepared(formatter, engine_requests, request.stop_strings, request.include_usage)
+
+    def prepare_completion(self, request: CompletionRequest, record: RequestRecord) -> Prepared:
+        """Validate and tokenize each prompt; one EngineRequest per prompt."""
+        self.check_model(request.model)
+        if request.echo and request.logprobs is not None:
+            raise APIError(400, "echo together with logprobs is not supported", param="echo")
+        prompts = self._completion_prompts(request.prompt)
+        prompt_texts = [self.model.tokenizer.decode(ids) for ids in prompts]
+        if self.settings.log_prompts:
+            record.prompt = "\n".join(prompt_texts)
+        response_id, engine_requests = self._engine_requests(
+            "cmpl", prompts, request, prompt_param="prompt"
+        )
+        formatter = CompletionFormatter(
+            **self._formatter_fields(response_id, request.logprobs is not None),
+            echo_texts=prompt_texts if request.echo else None,
+            n=engine_requests[0].sampling_params.n,
+        )
+        return Prepared(formatter, engine_requests, request.stop_strings, request.include_usage)
+
+    def _formatter_fields(self, response_id: str, want_logprobs: bool) -> dict[str, Any]:
+        return {
+            "response_id": response_id,
+            "model": self.model.name,
+            "fingerprint": self.model.fingerprint,
+            "tokenizer": self.model.tokenizer,
+            "want_logprobs": want_logprobs,
+        }
+
+    def _engine_requests(
+        self,
+        prefix: str,
+        prompts: list[list[int]],
+        request: ChatCompletionRequest | CompletionRequest,
+        prompt_param: str,
+    ) -> tuple[str, list[EngineRequest]]:
+        """A response id and one EngineRequest per prompt (ids suffixed -i when several)."""
+        response_id = f"{prefix}-{secrets.token_hex(12)}"
+        engine_requests = []
+        for number, prompt_token_ids in enumerate(prompts):
+            max_tokens = self._resolve_max_tokens(len(prompt_token_ids), request, prompt_param)
+            params = request.to_sampling_params(max_tokens)
+            params.check_token_ids(self.model.info.vocab_size)
+            request_id = response_id if len(prompts) == 1 else f"{response_id}-{number}"
+            engine_requests.append(
+                EngineRequest(request_id, prompt_token_ids, params, cache_salt=request.cache_salt)
+            )
+        return response_id, engine_requests
+
+    def _completion_prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> list[list[int]]:
+        """The prompts of a completions request as token ids; empty or out-of-vocab -> 400."""
+        items = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else list(prompt)
+        if not items:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        vocab_size = self.model.info.vocab_size
+        prompts = []
+        for item in items:
+            ids = self.model.tokenizer.encode(item) if isinstance(item, str) and item else []
+            if not isinstance(item, str):
+                ids = list(item)
+                bad = [t for t in ids if not 0 <= t < vocab_size]
+                if bad:
+                    message = f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+                    raise APIError(400, message, param="prompt")
+            if not ids:
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            prompts.append(ids)
+        return prompts
+
+    def _resolve_max_tokens(
+        self,
+        num_prompt_tokens: int,
+        request: ChatCompletionRequest | CompletionRequest,
+        prompt_param: str,
+    ) -> int:
+        """The requested max_tokens, checked against the context window, or the default.
+
+        Default (max_tokens absent): the room left in the context window, capped at
+        settings.default_max_tokens so a forgotten max_tokens cannot hold a slot for the
+        whole window. Too long -> 400 with the token counts.
+        """
+        max_model_len = self.model.info.max_model_len
+        room = max_model_len - num_prompt_tokens
+        requested = request.requested_max_tokens
+        if requested is None:
+            if room < 1:
+                message = (
+                    f"This model's maximum context length is {max_model_len} tokens, and the "
+                    f"prompt has {num_prompt_tokens} tokens: no room is left to generate."
+                )
+                raise APIError(400, message, param=prompt_param, code="context_length_exceeded")
+            cap = self.settings.default_max_tokens
+            return room if cap is None else min(room, cap)
+        if requested > room:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+                f"prompt, {requested} for the completion). Please reduce the length of the "
+                f"prompt or of the completion."
+            )
+            param = request.max_tokens_param
+            raise APIError(400, message, param=param, code="context_length_exceeded")
+        return requested
+
+    # -- engine outputs -> deltas ---------------------------------------------------------------
+
+    async def run(self, prepared: Prepared, record: RequestRecord) -> AsyncIterator[ChoiceDelta]:
+        """Every choice's deltas, in engine order; the choices' last deltas carry a finish reason.
+
+        Raises EngineError when the engine fails the request. Leaving early (disconnect,
+        cancellation) aborts the engine requests that are still running.
+        """
+        record.prompt_tokens = sum(len(r.prompt_token_ids) for r in prepared.engine_requests)
+        streams, base = [], 0
+        for engine_request in prepared.engine_requests:
+            streams.append(self._drive(prepared, engine_request, base, record))
+            base += engine_request.sampling_params.n
+        outcome = "abort"
+        try:
+            saw_length = False
+            # aclosing: leaving at a yield must close the inner generators now (they abort).
+            async with aclosing(merge(streams)) as deltas:
+                async for delta in deltas:
+                    record.completion_tokens += len(delta.token_ids)
+                    saw_length = saw_length or delta.finish_reason == "length"
+                    yield delta
+            outcome = "length" if saw_length else "stop"
+        except EngineError:
+            outcome = "error"
+            raise
+        finally:
+            record.finish_reason = outcome
+            self.metrics.observe_request(outcome, time.monotonic() - prepared.arrival)
+
+    async def _drive(
+        self, prepared: Prepared, request: EngineRequest, base_index: int, record: RequestRecord
+    ) -> AsyncIterator[ChoiceDelta]:
+        """One EngineRequest: feed its outputs to the choices; abort it if left early."""
+        choices = [
+            _Choice(base_index + i, self._detokenizer(request, prepared.stop))
+            for i in range(request.sampling_params.n)
+        ]
+        outputs = self.engine.generate(request)
+        is_complete = False
+        last_token_at: float | None = None
+        try:
+            async for output in outputs:
+                if output.error is not None:
+                    raise EngineError(f"The engine failed this request: {output.error}")
+                record.cached_tokens = max(record.cached_tokens, output.num_cached_tokens)
+                last_token_at = self._observe_timing(prepared, output, last_token_at, record)
+                for completion in output.outputs:
+                    choice = choices[completion.index]
+                    if choice.finish_reason is not None:
+                        continue  # stopped here by a stop string; the engine may lag a step
+                    delta = choice.advance(completion)
+                    if delta.finish_reason == "stop" and choice.detokenizer.is_stopped:
+                        await self.engine.abort(request.request_id, completion.index)
+                    yield delta
+                if all(c.finish_reason is not None for c in choices):
+                    is_complete = True
+                    break
+                if output.finished:
+                    break
+            if not is_complete:
+                raise EngineError("The engine ended the request before every choice finished.")
+        except (APIError, anyio.get_cancelled_exc_class(), GeneratorExit):
+            raise
+        except ParamError as e:  # the engine's own validation; ours should have caught it
+            raise APIError(400, e.message, param=e.param) from e
+        except Exception as e:
+            logger.exception("engine failure in request %s", request.request_id)
+            raise EngineError(f"The engine failed this request: {e}") from e
+        finally:
+            with anyio.CancelScope(shield=True):
+                if not is_complete:
+                    await self.engine.abort(request.request_id)
+                aclose = getattr(outputs, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+
+    def _detokenizer(self, request: EngineRequest, stop: Sequence[str]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.model.tokenizer, request.prompt_token_ids, stop)
+
+    def _observe_timing(
+        self,
+        prepared: Prepared,
+        output: RequestOutput,
+        last_token_at: float | None,
+        record: RequestRecord,
+    ) -> float | None:
+        """TTFT on the first token, then the gap per token since the previous output."""
+        num_new = max((len(c.new_token_ids) for c in output.outputs), default=0)
+        if num_new == 0:
+            return last_token_at
+        now = time.monotonic()
+        if record.ttft_s is None:
+            record.ttft_s = now - prepared.arrival
+            self.metrics.time_to_first_token.observe(record.ttft_s)
+        elif last_token_at is not None:
+            self.metrics.inter_token_latency.observe((now - last_token_at) / num_new)
+        return now
+
+    # -- deltas -> responses --------------------------------------------------------------------
+
+    async def complete(
+        self, prepared: Prepared, record: RequestRecord
+    ) -> ChatCompletionResponse | CompletionResponse:
+        """The whole response at once (non-streaming)."""
+        deltas = [delta async for delta in self.run(prepared, record)]
+        return prepared.formatter.response(prepared.num_choices, deltas, record.usage())
+
+    async def stream(self, prepared: Prepared, record: RequestRecord) -> AsyncIterator[dict]:
+        """Chunks as JSON-ready dicts; the usage chunk last when include_usage is set."""
+        formatter = prepared.formatter
+        for chunk in formatter.opening_chunks(prepared.num_choices):
+            yield formatter.dump_chunk(chunk, prepared.include_usage)
+        async with aclosing(self.run(prepared, record)) as deltas:
+            async for delta in deltas:
+                chunk = formatter.chunk(delta)
+                if chunk is not None:
+                    yield formatter.dump_chunk(chunk, prepared.include_usage)
+        if prepared.include_usage:
+            yield formatter.dump_chunk(formatter.usage_chunk(record.usage()), True)
+
+
+def _is_ids(prompt: object) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)

@@ -1,0 +1,202 @@
+"""SSE framing, keep-alives, and the plumbing that turns a client disconnect into an abort.
+
+Every path ends in OpenAIServing._drive()'s finally-block, which aborts the request in the
+engine (shielded, so it runs despite a cancel):
+  - cancellation: Starlette cancels a streaming response when it sees http.disconnect, and
+    cancel_on_disconnect() cancels a non-streaming request's work;
+  - closing: SSEResponse closes its body generator when it ends, and each generator layer
+    iterates the next under aclosing(), so one left suspended at a yield is closed now,
+    not whenever garbage collection gets to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from app.errors import SERVER_ERROR, APIError, error_body
+
+if TYPE_CHECKING:
+    from app.serving import OpenAIServing, Prepared, RequestRecord
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see traffic
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
+_END = object()
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+def sse_event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def sse_events(chunks: AsyncIterator[dict], keepalive_seconds: float) -> AsyncIterator[bytes]:
+    """Chunks as SSE events, keep-alive comments while idle, then `data: [DONE]`.
+
+    An error after the stream has begun (the 200 is already sent) goes out as one event in
+    the OpenAI error shape, {"error": {...}}, followed by [DONE].
+    """
+    try:
+        async with aclosing(with_keepalive(chunks, keepalive_seconds)) as items:
+            async for chunk in items:
+                yield KEEPALIVE if chunk is None else sse_event(chunk)
+    except APIError as e:
+        yield sse_event(e.body())
+    except Exception:
+        logger.exception("stream failed")
+        yield sse_event(error_body("Internal server error", SERVER_ERROR))
+    yield DONE
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator when it ends.
+
+    Starlette leaves the iterator suspended when the client disconnects during a send;
+    closing it here (not at garbage collection) is what aborts the request in the engine.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+def sse_response(chunks: AsyncIterator[dict], keepalive_seconds: float) -> StreamingResponse:
+    events = sse_events(chunks, keepalive_seconds)
+    return SSEResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def with_keepalive(source: AsyncIterator[T], interval: float) -> AsyncIterator[T | None]:
+    """Items of `source`, and None whenever `interval` seconds pass without one.
+
+    The pending __anext__ runs as its own task so that waiting with a timeout never
+    cancels the source; leaving early cancels that task and closes the source.
+    """
+    pending: asyncio.Future[T] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(source.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield None
+                continue
+            finished, pending = pending, None
+            try:
+                item = finished.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        with anyio.CancelScope(shield=True):
+            if pending is not None:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """Items of several async iterators as they come; the first error wins and stops all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((item, None))
+        except Exception as e:
+            queue.put_nowait((None, e))
+        else:
+            queue.put_nowait((_END, None))
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                remaining -= 1
+                continue
+            yield item
+    finally:
+        with anyio.CancelScope(shield=True):
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it as soon as the client disconnects.
+
+    Raises ClientDisconnected in that case. Call it only after the request body has been
+    read: from then on the ASGI server's receive() returns only http.disconnect.
+    """
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        with anyio.CancelScope(shield=True):
+            if not work_task.done():
+                work_task.cancel()
+            watch_task.cancel()
+            await asyncio.gather(work_task, watch_task, return_exceptions=True)
+    if work_task.cancelled():
+        raise ClientDisconnected()
+    return work_task.result()
+
+
+async def respond(
+    request: Request,
+    serving: OpenAIServing,
+    prepared: Prepared,
+    record: RequestRecord,
+    stream: bool,
+) -> Response:
+    """Answer a prepared generation request as SSE or as one JSON body.
+
+    Either way a client that disconnects cancels the work, which aborts it in the engine.
+    """
+    if stream:
+        chunks = serving.stream(prepared, record)
+        return sse_response(chunks, serving.settings.keepalive_seconds)
+    try:
+        response = await cancel_on_disconnect(request.receive, serving.complete(prepared, record))
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(response.model_dump(mode="json"))

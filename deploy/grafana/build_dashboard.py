@@ -1,0 +1,232 @@
+"""Generates deploy/grafana/kvshare.json, the kvshare Grafana dashboard.
+
+    python deploy/grafana/build_dashboard.py          # rewrite kvshare.json
+    python deploy/grafana/build_dashboard.py --check  # exit 1 if kvshare.json is out of date
+
+Every query filters on the `$instance` variable and uses Grafana's `$__rate_interval`, so the
+dashboard works for one container and for a Kubernetes fleet. tests/deploy/promql.py extracts
+these expressions (with the variables substituted) for the live-Prometheus integration test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+OUTPUT = Path(__file__).with_name("kvshare.json")
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+SEL = 'instance=~"$instance"'  # every selector carries it
+RATE = "[$__rate_interval]"
+
+
+def rate(metric: str, labels: str = "") -> str:
+    selector = f"{SEL},{labels}" if labels else SEL
+    return f"rate({metric}{{{selector}}}{RATE})"
+
+
+def sum_rate(metric: str, labels: str = "") -> str:
+    return f"sum({rate(metric, labels)})"
+
+
+def quantile(q: float, histogram: str) -> str:
+    return f"histogram_quantile({q}, sum by (le) ({rate(histogram + '_bucket')}))"
+
+
+def latency_targets(histogram: str) -> list[tuple[str, str]]:
+    return [(quantile(0.5, histogram), "p50"), (quantile(0.99, histogram), "p99")]
+
+
+def panel(
+    title: str,
+    targets: list[tuple[str, str]],
+    unit: str = "short",
+    description: str = "",
+    kind: str = "timeseries",
+    stacked: bool = False,
+    thresholds: list[tuple[float, str]] | None = None,
+) -> dict:
+    """One panel; `targets` are (PromQL, legend) pairs. Its gridPos is set by `layout`."""
+    steps = [{"color": "green", "value": None}]
+    steps += [{"color": color, "value": value} for value, color in thresholds or []]
+    custom = {"stacking": {"mode": "normal" if stacked else "none", "group": "A"}}
+    if stacked:
+        custom["fillOpacity"] = 60
+    return {
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DATASOURCE,
+        "fieldConfig": {
+            "defaults": {
+                "unit": unit,
+                "thresholds": {"mode": "absolute", "steps": steps},
+                **({"custom": custom} if kind == "timeseries" else {}),
+            },
+            "overrides": [],
+        },
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}}
+        if kind == "timeseries"
+        else {"reduceOptions": {"calcs": ["lastNotNull"]}, "colorMode": "background"},
+        "targets": [
+            {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend,
+             "datasource": DATASOURCE}
+            for i, (expr, legend) in enumerate(targets)
+        ],
+    }  # fmt: skip
+
+
+def cache_panels() -> list[dict]:
+    hits = sum_rate("kvshare_prefix_cache_hits_total")
+    queries = sum_rate("kvshare_prefix_cache_queries_total")
+    audits = sum_rate("kvshare_cache_audits_total")
+    corruption = sum_rate("kvshare_cache_audit_mismatches_total", 'kind="corruption"')
+    drift = sum_rate("kvshare_cache_audit_mismatches_total", 'kind="drift"')
+    return [
+        panel("Prefix-cache hit rate", [(f"{hits} / {queries}", "hit rate")], "percentunit",
+              "Prompt tokens found in the cache / prompt tokens looked up."),
+        panel("Pollution rate", [(f"{corruption} / {audits}", "corruption"),
+                                 (f"{drift} / {audits}", "drift")], "percentunit",
+              "Audited reuses whose KV differed from a recomputation. Corruption must stay 0."),
+        panel("Audits per second", [(audits, "audits/s")], "ops"),
+        panel("Audit max |diff| p99", [(quantile(0.99, "kvshare_cache_audit_max_abs_diff"), "p99")],
+              description="Largest absolute KV difference seen by the audit (numeric drift)."),
+        panel("Quarantined blocks (since start)",
+              [(f'sum(kvshare_cache_quarantined_blocks_total{{{SEL}}})', "quarantined")],
+              description="Blocks taken out of service after a failed audit."),
+        panel("Leaked blocks", [(f'max(kvshare_kv_blocks_leaked{{{SEL}}})', "leaked")], kind="stat",
+              thresholds=[(1, "red")],
+              description="Blocks owned by nobody: an accounting bug. Must stay 0."),
+    ]  # fmt: skip
+
+
+def memory_panels() -> list[dict]:
+    total = f"sum(kvshare_kv_blocks_total{{{SEL}}})"
+    available = f'sum(kvshare_kv_blocks{{{SEL},state=~"free|cached"}})'
+    free = f'sum(kvshare_kv_blocks{{{SEL},state="free"}})'
+    return [
+        panel("KV blocks by state", [(f"sum by (state) (kvshare_kv_blocks{{{SEL}}})", "{{state}}")],
+              stacked=True,
+              description="free: unused; private: one request; shared: several requests or a "
+                          "request and the cache; cached: only the cache (evictable)."),
+        panel("KV memory by state",
+              [(f"sum by (state) (kvshare_kv_memory_bytes{{{SEL}}})", "{{state}}")], "bytes",
+              stacked=True),
+        panel("KV usage and watermark",
+              [(f"max(kvshare_kv_usage_watermark{{{SEL}}})", "watermark (peak since start)"),
+               (f"1 - {free} / {total}", "used (not free)"),
+               (f"1 - {available} / {total}", "held by requests")], "percentunit",
+              thresholds=[(0.95, "red")]),
+        panel("Fragmentation", [(f"max(kvshare_kv_fragmentation_ratio{{{SEL}}})", "ratio")],
+              "percentunit", "Allocated but unfilled token slots / allocated slots."),
+        panel("Copy-on-write copies per second",
+              [(sum_rate("kvshare_kv_cow_copies_total"), "copies/s")], "ops"),
+        panel("Evictions per second",
+              [(sum_rate("kvshare_kv_evictions_total"), "evictions/s")], "ops"),
+    ]  # fmt: skip
+
+
+def latency_panels() -> list[dict]:
+    return [
+        panel("Time to first token", latency_targets("kvshare_time_to_first_token_seconds"), "s"),
+        panel("Inter-token latency", latency_targets("kvshare_inter_token_latency_seconds"), "s"),
+        panel("Request latency", latency_targets("kvshare_request_duration_seconds"), "s"),
+        panel("Engine step duration", latency_targets("kvshare_step_duration_seconds"), "s"),
+    ]
+
+
+def traffic_panels() -> list[dict]:
+    return [
+        panel("Token throughput",
+              [(sum_rate("kvshare_prompt_tokens_total"), "prompt"),
+               (sum_rate("kvshare_prefill_tokens_total"), "prefill (computed)"),
+               (sum_rate("kvshare_generation_tokens_total"), "generation")], "tps",
+              "prompt - prefill = prompt tokens served from the prefix cache."),
+        panel("Requests running and waiting",
+              [(f"sum by (state) (kvshare_requests{{{SEL}}})", "{{state}}")]),
+        panel("Finished requests per second",
+              [(f"sum by (finish_reason) ({rate('kvshare_requests_total')})", "{{finish_reason}}")],
+              "reqps"),
+        panel("Preemptions per second",
+              [(sum_rate("kvshare_preemptions_total"), "preemptions/s")], "ops"),
+        panel("Batch size (sequences per step)", latency_targets("kvshare_batch_size")),
+    ]  # fmt: skip
+
+
+def layout(rows: list[tuple[str, list[dict]]], width: int = 8, height: int = 8) -> list[dict]:
+    """Rows of panels, three per line; ids and gridPos assigned in reading order."""
+    panels, y, next_id = [], 0, 1
+    for row_title, row_panels in rows:
+        panels.append({"type": "row", "title": row_title, "collapsed": False, "id": next_id,
+                       "gridPos": {"x": 0, "y": y, "w": 24, "h": 1}, "panels": []})  # fmt: skip
+        next_id, y = next_id + 1, y + 1
+        for i, item in enumerate(row_panels):
+            x = (i % (24 // width)) * width
+            if i and x == 0:
+                y += height
+            item["id"], next_id = next_id, next_id + 1
+            item["gridPos"] = {"x": x, "y": y, "w": width, "h": height}
+            panels.append(item)
+        y += height
+    return panels
+
+
+def templating() -> dict:
+    instance_query = "label_values(kvshare_kv_blocks_total, instance)"
+    return {
+        "list": [
+            {"name": "datasource", "label": "Data source", "type": "datasource",
+             "query": "prometheus", "current": {}, "hide": 0},
+            {"name": "instance", "label": "Instance", "type": "query", "datasource": DATASOURCE,
+             "query": {"query": instance_query, "refId": "instance"},
+             "definition": instance_query, "refresh": 2, "includeAll": True, "multi": True,
+             "allValue": ".*", "current": {"text": "All", "value": "$__all"}, "sort": 1},
+        ]
+    }  # fmt: skip
+
+
+def build_dashboard() -> dict:
+    rows = [
+        ("Prefix cache: does sharing pay, is it safe?", cache_panels()),
+        ("KV memory", memory_panels()),
+        ("Latency", latency_panels()),
+        ("Traffic and scheduling", traffic_panels()),
+    ]
+    return {
+        "uid": "kvshare",
+        "title": "kvshare",
+        "description": "Prefix-cache sharing, KV memory, latency and throughput of kvshare.",
+        "tags": ["kvshare", "llm", "inference"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "templating": templating(),
+        "annotations": {"list": []},
+        "panels": layout(rows),
+    }
+
+
+def render() -> str:
+    return json.dumps(build_dashboard(), indent=2) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Generate the kvshare Grafana dashboard.")
+    parser.add_argument("--check", action="store_true", help="fail if kvshare.json is stale")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if not OUTPUT.exists() or OUTPUT.read_text() != text:
+            print(f"{OUTPUT} is out of date: run python {Path(__file__).name}", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""AsyncEngine: the EngineClient that app/ uses. One engine thread steps an LLMEngine;
+asyncio queues carry the deltas back to the event loop.
+
+Thread contract: only the engine thread touches the LLMEngine (add, abort, step). The event
+loop talks to it through a command queue, and receives RequestOutputs through per-request
+asyncio queues fed with loop.call_soon_threadsafe. Commands are applied between steps, so an
+abort takes effect within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, validate_request
+from engine.protocol import EngineRequest, EngineStats, ModelInfo, RequestOutput
+from engine.sampling_params import ParamError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request: EngineRequest
+
+
+@dataclass
+class _Abort:
+    request_id: str
+    choice_index: int | None
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    """EngineClient over an LLMEngine running in its own thread."""
+
+    def __init__(
+        self, config: EngineConfig, engine_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine
+    ) -> None:
+        self.config = config
+        self._engine_factory = engine_factory
+        self._engine: LLMEngine | None = None
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._load_error: str | None = None
+        self._num_waiting = 0
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvshare-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        await asyncio.to_thread(self._thread.join, 30.0)
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def load_error(self) -> str | None:
+        return self._load_error
+
+    @property
+    def model_info(self) -> ModelInfo:
+        if self._engine is None:
+            raise RuntimeError("the model is not loaded yet")
+        return self._engine.model_info
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    def stats(self) -> EngineStats:
+        if self._engine is None:
+            return EngineStats()
+        return self._engine.stats()
+
+    # -- requests -----------------------------------------------------------------------
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Yield deltas until finished; leaving early (disconnect) aborts the request."""
+        validate_request(request, self.model_info)
+        if request.request_id in self._streams:
+            raise ParamError("request_id", f"request id {request.request_id!r} is already running")
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request.request_id] = stream
+        self._num_waiting += 1
+        self._commands.put(_Add(request))
+        finished = False
+        try:
+            while not finished:
+                output = await stream.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self._commands.put(_Abort(request.request_id, None))
+
+    async def abort(self, request_id: str, choice_index: int | None = None) -> None:
+        self._commands.put(_Abort(request_id, choice_index))
+
+    # -- engine thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._engine = self._engine_factory(self.config)
+        except Exception as exc:
+            logger.exception("loading the model failed")
+            self._load_error = f"{type(exc).__name__}: {exc}"
+            return
+        self._ready.set()
+        engine = self._engine
+        while True:
+            block = not engine.has_unfinished_requests()
+            if not self._apply_commands(engine, block=block):
+                break
+            self._num_waiting = engine.scheduler.num_waiting
+            if engine.has_unfinished_requests():
+                self._deliver(engine.step())
+            else:
+                engine.step()  # idle: lets the engine run its leak check
+
+    def _apply_commands(self, engine: LLMEngine, block: bool) -> bool:
+        """Apply queued commands; False once asked to stop."""
+        try:
+            command = self._commands.get(block=block, timeout=0.5 if block else None)
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Add):
+                self._add(engine, command.request)
+            else:
+                self._deliver(engine.abort_request(command.request_id, command.choice_index))
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, engine: LLMEngine, request: EngineRequest) -> None:
+        try:
+            engine.add_request(request)
+        except Exception as exc:  # validated on the loop already; this is a last resort
+            logger.exception("rejected request %s", request.request_id)
+            self._deliver(
+                [
+                    RequestOutput(
+                        request_id=request.request_id,
+                        outputs=[],
+                        finished=True,
+                        num_prompt_tokens=len(request.prompt_token_ids),
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
+                ]
+            )
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if not outputs or self._loop is None:
+            return
+        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)

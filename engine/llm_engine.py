@@ -1,0 +1,186 @@
+"""Synchronous engine: add_request / step / abort. Usable offline and by AsyncEngine's thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.batch import ModelRunnerOutput
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.protocol import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    ModelInfo,
+    RequestOutput,
+    StepSample,
+)
+from engine.sampling_params import ParamError, SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_MAX_RECENT_STEPS = 10_000
+
+
+def validate_request(request: EngineRequest, model_info: ModelInfo) -> None:
+    """Raise ParamError naming the field when the engine cannot serve `request`."""
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise ParamError("prompt", "prompt must contain at least one token")
+    if len(prompt) >= model_info.max_model_len:
+        raise ParamError(
+            "prompt",
+            f"prompt has {len(prompt)} tokens but the model's context window is "
+            f"{model_info.max_model_len} tokens (at least one must be left to generate)",
+        )
+    vocab_size = model_info.vocab_size
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ParamError(
+            "prompt", f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})"
+        )
+    request.sampling_params.check_token_ids(vocab_size)
+
+
+@dataclass
+class GenerationResult:
+    """What LLMEngine.generate() returns per prompt: one entry per choice."""
+
+    token_ids: list[list[int]]
+    finish_reasons: list[FinishReason | None]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+class LLMEngine:
+    """Owns the model runner, the KV cache manager and the scheduler; one step at a time.
+
+    Not thread-safe: one thread drives add_request/abort_request/step. stats() may be read
+    from another thread (it copies plain numbers).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.model_info: ModelInfo = self.runner.model_info
+        self.kv_cache_manager = self._build_kv_cache_manager()
+        self.scheduler = self._build_scheduler()
+        self._recent_steps: deque[StepSample] = deque(maxlen=_MAX_RECENT_STEPS)
+        self._stats_lock = threading.Lock()
+        self._num_leaked_blocks = 0
+
+    def _build_kv_cache_manager(self) -> KVCacheManager:
+        pool = BlockPool(self.runner.num_kv_blocks, self.runner.block_size)
+        return KVCacheManager(pool)
+
+    def _build_scheduler(self) -> Scheduler:
+        return Scheduler(
+            self.kv_cache_manager,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.model_info.max_model_len,
+            eos_token_ids=self.model_info.eos_token_ids,
+        )
+
+    # -- requests -----------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        validate_request(request, self.model_info)
+        self.scheduler.add_request(request)
+
+    def abort_request(
+        self, request_id: str, choice_index: int | None = None
+    ) -> list[RequestOutput]:
+        output = self.scheduler.abort_request(request_id, choice_index)
+        return [output] if output is not None else []
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- stepping -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and return the deltas of every touched request.
+
+        An exception inside the model fails only the sequences of this batch; the engine
+        stays usable for everything else.
+        """
+        started = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            self._check_leaks_when_idle()
+            # Requests the scheduler finished without running (e.g. never fit) still report.
+            return self.scheduler.update_from_output(sched_out, ModelRunnerOutput())
+        try:
+            runner_out = self.runner.execute(sched_out)
+        except Exception as exc:  # an engine fault: fail what it touched, keep serving
+            logger.exception("model step failed; failing %d sequences", len(sched_out.seqs))
+            message = f"engine fault while running the model: {type(exc).__name__}: {exc}"
+            return self.scheduler.fail_seqs([s.seq_id for s in sched_out.seqs], message)
+        outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        sample = StepSample(
+            duration_s=time.perf_counter() - started,
+            num_seqs=len(sched_out.seqs),
+            num_tokens=sched_out.num_batched_tokens,
+        )
+        with self._stats_lock:
+            self._recent_steps.append(sample)
+        return outputs
+
+    def _check_leaks_when_idle(self) -> None:
+        if not self.scheduler.has_unfinished_requests():
+            self._num_leaked_blocks = self.scheduler.num_leaked_blocks()
+
+    # -- offline convenience ------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams],
+    ) -> list[GenerationResult]:
+        """Run prompts (token ids) to completion; results in prompt order."""
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params] * len(prompts)
+        )
+        request_ids = [f"offline-{id(self)}-{i}" for i in range(len(prompts))]
+        results = {}
+        for request_id, prompt, param in zip(request_ids, prompts, params, strict=True):
+            self.add_request(EngineRequest(request_id, list(prompt), param))
+            results[request_id] = GenerationResult(
+                token_ids=[[] for _ in range(param.n)],
+                finish_reasons=[None] * param.n,
+                num_prompt_tokens=len(prompt),
+                num_cached_tokens=0,
+            )
+        while self.has_unfinished_requests():
+            for output in self.step():
+                _accumulate(results[output.request_id], output)
+        return [results[request_id] for request_id in request_ids]
+
+    # -- figures --------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot; recent_steps holds the steps since the previous call (drained)."""
+        stats = self.scheduler.stats()
+        stats.num_leaked_blocks = self._num_leaked_blocks
+        stats.bytes_per_block = self.runner.bytes_per_block
+        with self._stats_lock:
+            stats.recent_steps = list(self._recent_steps)
+            self._recent_steps.clear()
+        return stats
+
+
+def _accumulate(result: GenerationResult, output: RequestOutput) -> None:
+    result.num_cached_tokens = output.num_cached_tokens
+    if output.error is not None:
+        result.error = output.error
+    for choice in output.outputs:
+        result.token_ids[choice.index].extend(choice.new_token_ids)
+        if choice.finish_reason is not None:
+            result.finish_reasons[choice.index] = choice.finish_reason

@@ -1,0 +1,114 @@
+"""/metrics: every DESIGN.md metric, engine numbers refreshed at scrape time."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from fake_engine import FakeEngine
+from helpers import chat_body
+
+from app.metrics import ServerMetrics
+from engine.protocol import EngineStats, StepSample
+
+pytestmark = pytest.mark.anyio
+
+# (name, type) as they appear in TYPE lines of the text exposition.
+REQUIRED = [
+    ("kvshare_prefix_cache_queries_total", "counter"),
+    ("kvshare_prefix_cache_hits_total", "counter"),
+    ("kvshare_cache_audits_total", "counter"),
+    ("kvshare_cache_audit_mismatches_total", "counter"),
+    ("kvshare_cache_audit_max_abs_diff", "histogram"),
+    ("kvshare_cache_quarantined_blocks_total", "counter"),
+    ("kvshare_kv_blocks", "gauge"),
+    ("kvshare_kv_blocks_total", "gauge"),
+    ("kvshare_kv_memory_bytes", "gauge"),
+    ("kvshare_kv_usage_watermark", "gauge"),
+    ("kvshare_kv_fragmentation_ratio", "gauge"),
+    ("kvshare_kv_cow_copies_total", "counter"),
+    ("kvshare_kv_evictions_total", "counter"),
+    ("kvshare_kv_blocks_leaked", "gauge"),
+    ("kvshare_requests", "gauge"),
+    ("kvshare_requests_total", "counter"),
+    ("kvshare_preemptions_total", "counter"),
+    ("kvshare_prompt_tokens_total", "counter"),
+    ("kvshare_prefill_tokens_total", "counter"),
+    ("kvshare_generation_tokens_total", "counter"),
+    ("kvshare_time_to_first_token_seconds", "histogram"),
+    ("kvshare_inter_token_latency_seconds", "histogram"),
+    ("kvshare_request_duration_seconds", "histogram"),
+    ("kvshare_step_duration_seconds", "histogram"),
+    ("kvshare_batch_size", "histogram"),
+]
+
+
+def sample(text: str, name: str, labels: str = "") -> float:
+    pattern = re.escape(name + (f"{{{labels}}}" if labels else "")) + r" (\S+)"
+    match = re.search(r"^" + pattern + "$", text, re.MULTILINE)
+    assert match, f"{name}{{{labels}}} missing"
+    return float(match.group(1))
+
+
+async def test_every_required_metric_is_exposed_with_help(client) -> None:
+    response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", response.text, re.MULTILINE))
+    helps = dict(re.findall(r"^# HELP (\S+) (.+)$", response.text, re.MULTILINE))
+    for name, kind in REQUIRED:
+        assert types.get(name) == kind, name
+        assert helps.get(name), name
+    assert "process_cpu_seconds_total" in types
+
+
+async def test_engine_stats_are_read_at_scrape_time(client, engine: FakeEngine) -> None:
+    engine.engine_stats = EngineStats(
+        num_running=3,
+        num_waiting=2,
+        num_total_blocks=10,
+        num_free_blocks=4,
+        num_private_blocks=3,
+        num_shared_blocks=2,
+        num_cached_blocks=1,
+        bytes_per_block=1000,
+        prefix_cache_queries=50,
+        prefix_cache_hits=20,
+        num_audits=7,
+        num_audit_corruptions=1,
+        num_audit_drifts=2,
+        recent_audit_max_abs_diffs=[0.5],
+    )
+    engine.record_steps(StepSample(0.02, 4, 40), StepSample(0.03, 8, 8))
+    text = (await client.get("/metrics")).text
+    assert sample(text, "kvshare_requests", 'state="running"') == 3
+    assert sample(text, "kvshare_requests", 'state="waiting"') == 2
+    assert sample(text, "kvshare_kv_blocks", 'state="shared"') == 2
+    assert sample(text, "kvshare_kv_memory_bytes", 'state="free"') == 4000
+    assert sample(text, "kvshare_kv_blocks_total") == 10
+    assert sample(text, "kvshare_prefix_cache_hits_total") == 20
+    assert sample(text, "kvshare_cache_audit_mismatches_total", 'kind="corruption"') == 1
+    assert sample(text, "kvshare_cache_audit_mismatches_total", 'kind="drift"') == 2
+    assert sample(text, "kvshare_step_duration_seconds_count") == 2
+    assert sample(text, "kvshare_batch_size_sum") == 12
+    assert sample(text, "kvshare_cache_audit_max_abs_diff_count") == 1
+    again = (await client.get("/metrics")).text  # steps were drained: observed once only
+    assert sample(again, "kvshare_step_duration_seconds_count") == 2
+
+
+async def test_request_metrics_are_observed(client) -> None:
+    await client.post("/v1/chat/completions", json=chat_body())
+    await client.post("/v1/chat/completions", json=chat_body(max_tokens=2))
+    text = (await client.get("/metrics")).text
+    assert sample(text, "kvshare_requests_total", 'finish_reason="stop"') == 1
+    assert sample(text, "kvshare_requests_total", 'finish_reason="length"') == 1
+    assert sample(text, "kvshare_time_to_first_token_seconds_count") == 2
+    assert sample(text, "kvshare_request_duration_seconds_count") == 2
+    assert sample(text, "kvshare_inter_token_latency_seconds_count") > 0
+
+
+def test_each_metrics_object_has_its_own_registry() -> None:
+    first, second = ServerMetrics(), ServerMetrics()
+    first.observe_request("error", 1.0)
+    assert 'kvshare_requests_total{finish_reason="error"} 1.0' in first.render().decode()
+    assert 'kvshare_requests_total{finish_reason="error"} 0.0' in second.render().decode()

@@ -1,0 +1,290 @@
+"""LLMEngine end to end on a tiny random Llama: outputs equal HF `generate` (the oracle)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.protocol import EngineRequest, FinishReason
+from engine.sampling_params import ParamError, SamplingParams
+
+VOCAB = 256
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> str:
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_LEN,
+        initializer_range=0.2,  # peaky logits: no near-ties for argmax to flip on
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    return LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """The oracle: HF generate, greedy, never stopping early."""
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def make_engine(model_dir: str, **overrides) -> LLMEngine:
+    settings = dict(model=model_dir, dtype="float32", num_kv_blocks=128, max_num_seqs=32)
+    settings.update(overrides)
+    return LLMEngine(EngineConfig(**settings))
+
+
+def random_prompts(num: int, seed: int, min_len: int = 3, max_len: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, VOCAB) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)
+    ]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def run_checked(engine: LLMEngine, requests: dict[int, list[EngineRequest]]) -> dict[str, list]:
+    """Step until done, adding requests[k] before step k; check integrity after every step."""
+    tokens: dict[str, list[list[int]]] = {}
+    step = 0
+    while step <= max(requests, default=0) or engine.has_unfinished_requests():
+        for request in requests.get(step, []):
+            engine.add_request(request)
+            tokens[request.request_id] = [[] for _ in range(request.sampling_params.n)]
+        for output in engine.step():
+            assert output.error is None, output.error
+            for choice in output.outputs:
+                tokens[output.request_id][choice.index].extend(choice.new_token_ids)
+        engine.scheduler.check_integrity()
+        step += 1
+    assert_all_blocks_free(engine)
+    return tokens
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    pool = engine.kv_cache_manager.pool
+    pool.check_integrity()
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_one_prompt_matches_hf(tiny_model_dir, hf_model):
+    engine = make_engine(tiny_model_dir)
+    prompt = random_prompts(1, seed=1)[0]
+    result = engine.generate([prompt], GREEDY)[0]
+    assert result.token_ids[0] == hf_greedy(hf_model, prompt, 12)
+    assert result.finish_reasons == [FinishReason.LENGTH]
+    assert_all_blocks_free(engine)
+
+
+def test_sixteen_prompts_together_match_hf(tiny_model_dir, hf_model):
+    engine = make_engine(tiny_model_dir)
+    prompts = random_prompts(16, seed=2)
+    requests = {0: [EngineRequest(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]}
+    tokens = run_checked(engine, requests)
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"][0] == hf_greedy(hf_model, prompt, 12), f"prompt {i}"
+
+
+def test_sixteen_prompts_staggered_match_hf(tiny_model_dir, hf_model):
+    engine = make_engine(tiny_model_dir)
+    prompts = random_prompts(16, seed=3)
+    requests: dict[int, list[EngineRequest]] = {}
+    for i, prompt in enumerate(prompts):
+        requests.setdefault(i * 2, []).append(EngineRequest(f"r{i}", prompt, GREEDY))
+    tokens = run_checked(engine, requests)
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"][0] == hf_greedy(hf_model, prompt, 12), f"prompt {i}"
+
+
+def test_preemption_keeps_outputs_equal(tiny_model_dir, hf_model):
+    # 8 prompts of ~40 tokens + 24 outputs need ~32 blocks of 16; give the pool 12.
+    engine = make_engine(tiny_model_dir, num_kv_blocks=12)
+    prompts = random_prompts(8, seed=4, min_len=30, max_len=50)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    requests = {0: [EngineRequest(f"r{i}", p, params) for i, p in enumerate(prompts)]}
+    tokens = run_checked(engine, requests)
+    assert engine.stats().num_preemptions > 0
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"][0] == hf_greedy(hf_model, prompt, 24), f"prompt {i}"
+
+
+def test_chunked_prefill_keeps_outputs_equal(tiny_model_dir, hf_model):
+    engine = make_engine(tiny_model_dir, max_num_batched_tokens=24)
+    prompts = random_prompts(4, seed=5, min_len=50, max_len=90)
+    requests = {0: [EngineRequest(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]}
+    prefill_chunks = []
+    original_schedule = engine.scheduler.schedule
+
+    def spy():
+        out = original_schedule()
+        prefill_chunks.extend(s.num_tokens for s in out.seqs[out.num_decodes :])
+        assert out.num_batched_tokens <= 24
+        return out
+
+    engine.scheduler.schedule = spy
+    tokens = run_checked(engine, requests)
+    assert sum(prefill_chunks) >= sum(len(p) for p in prompts)
+    assert len(prefill_chunks) > len(prompts)  # at least one prompt was split
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"][0] == hf_greedy(hf_model, prompt, 12), f"prompt {i}"
+
+
+def test_n4_seeded_forks_shares_blocks_and_is_reproducible(tiny_model_dir):
+    prompt = random_prompts(1, seed=6, min_len=40, max_len=40)[0]  # 2 full blocks + 8 tokens
+    params = SamplingParams(n=4, temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+
+    def run_once() -> tuple[list[list[int]], list[int], int]:
+        engine = make_engine(tiny_model_dir)
+        engine.add_request(EngineRequest("fork", prompt, params))
+        tokens = [[] for _ in range(4)]
+        refcounts_after_fork = None
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                for choice in output.outputs:
+                    tokens[choice.index].extend(choice.new_token_ids)
+            seqs = engine.scheduler.live_sequences()
+            if refcounts_after_fork is None and len(seqs) == 4:
+                first_blocks = seqs[0].block_ids[:2]
+                assert all(s.block_ids[:2] == first_blocks for s in seqs)
+                pool = engine.kv_cache_manager.pool
+                refcounts_after_fork = [pool.refcount(b) for b in first_blocks]
+            engine.scheduler.check_integrity()
+        assert_all_blocks_free(engine)
+        return tokens, refcounts_after_fork, engine.stats().num_cow_copies
+
+    tokens, refcounts, cow_copies = run_once()
+    assert refcounts == [4, 4]
+    assert cow_copies >= 3  # the partial prompt block, once per writer but the last
+    assert all(len(t) == 10 for t in tokens)
+    assert len({tuple(t) for t in tokens}) > 1  # the choices differ
+    again, _, _ = run_once()
+    assert again == tokens
+
+
+def test_seeded_request_same_alone_and_in_a_crowd(tiny_model_dir):
+    prompt = random_prompts(1, seed=7)[0]
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=42, max_tokens=16, ignore_eos=True)
+    alone = run_checked(make_engine(tiny_model_dir), {0: [EngineRequest("me", prompt, params)]})
+
+    crowd: dict[int, list[EngineRequest]] = {}
+    rng = random.Random(8)
+    for i, other in enumerate(random_prompts(15, seed=9)):
+        other_params = SamplingParams(
+            temperature=rng.choice([0.0, 0.7, 1.3]),
+            top_k=rng.choice([-1, 5]),
+            max_tokens=rng.randint(4, 20),
+            ignore_eos=True,
+        )
+        crowd.setdefault(i % 3, []).append(EngineRequest(f"o{i}", other, other_params))
+    crowd.setdefault(1, []).append(EngineRequest("me", prompt, params))
+    together = run_checked(make_engine(tiny_model_dir, max_num_batched_tokens=64), crowd)
+    assert together["me"] == alone["me"]
+
+
+def test_abort_and_fault_free_everything(tiny_model_dir, hf_model):
+    engine = make_engine(tiny_model_dir)
+    prompts = random_prompts(4, seed=10)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"r{i}", prompt, GREEDY))
+    engine.step()
+    aborted = engine.abort_request("r1")
+    assert aborted and aborted[0].finished
+    assert aborted[0].outputs[0].finish_reason == FinishReason.ABORT
+
+    real_execute = engine.runner.execute
+    engine.runner.execute = lambda out: (_ for _ in ()).throw(RuntimeError("injected"))
+    failed = engine.step()
+    engine.runner.execute = real_execute
+    assert {o.request_id for o in failed} == {"r0", "r2", "r3"}
+    assert all(o.finished and o.error and "injected" in o.error for o in failed)
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+    # The engine still serves after the fault.
+    result = engine.generate([prompts[0]], GREEDY)[0]
+    assert result.token_ids[0] == hf_greedy(hf_model, prompts[0], 12)
+
+
+@pytest.mark.parametrize(
+    ("make_request", "param"),
+    [
+        (lambda: EngineRequest("x", [], GREEDY), "prompt"),
+        (lambda: EngineRequest("x", [5] * MAX_LEN, GREEDY), "prompt"),
+        (lambda: EngineRequest("x", [5, VOCAB], GREEDY), "prompt"),
+        (lambda: EngineRequest("x", [5, -1], GREEDY), "prompt"),
+        (lambda: EngineRequest("x", [5], SamplingParams(max_tokens=0)), "max_tokens"),
+        (lambda: EngineRequest("x", [5], SamplingParams(temperature=-0.1)), "temperature"),
+        (lambda: EngineRequest("x", [5], SamplingParams(top_p=0.0)), "top_p"),
+        (lambda: EngineRequest("x", [5], SamplingParams(top_p=1.5)), "top_p"),
+        (lambda: EngineRequest("x", [5], SamplingParams(n=0)), "n"),
+        (lambda: EngineRequest("x", [5], SamplingParams(logit_bias={VOCAB: 1.0})), "logit_bias"),
+        (
+            lambda: EngineRequest("x", [5], SamplingParams(stop_token_ids=(VOCAB,))),
+            "stop_token_ids",
+        ),
+    ],
+)
+def test_bad_input_is_refused_and_leaks_nothing(tiny_model_dir, make_request, param):
+    engine = _shared_engine(tiny_model_dir)
+    with pytest.raises(ParamError) as info:
+        engine.add_request(make_request())
+    assert info.value.param == param
+    assert param.split("_")[0] in str(info.value)
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+
+
+_ENGINES: dict[str, LLMEngine] = {}
+
+
+def _shared_engine(model_dir: str) -> LLMEngine:
+    if model_dir not in _ENGINES:
+        _ENGINES[model_dir] = make_engine(model_dir)
+    return _ENGINES[model_dir]
+
+
+def test_unknown_model_path_is_refused(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(Exception, match="no-such-model"):
+        make_engine(str(missing))
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(
+        tmp_path
+    )
+    with pytest.raises(Exception, match="GPT2LMHeadModel") as info:
+        make_engine(str(tmp_path))
+    assert "LlamaForCausalLM" in str(info.value)  # the message lists what is supported

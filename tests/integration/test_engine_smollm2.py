@@ -1,0 +1,104 @@
+"""The engine on the embedded SmolLM2-135M-Instruct vs HF `generate` on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import resolve_model_dir
+from engine.protocol import EngineRequest
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+NEW_TOKENS = 12
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+    "Who wrote Hamlet?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Describe a cat in five words.",
+    "Why is the sky blue? Answer briefly, please, in plain words for a child of six.",
+    "Name a planet.",
+    "What does CPU stand for?",
+    "Suggest a name for a bakery.",
+    "How many legs does a spider have?",
+    "What colour do you get by mixing blue and yellow?",
+    "Tell me a fun fact about octopuses, something most people do not know about them.",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(resolve_model_dir(EngineConfig()))
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [chat_ids(tokenizer, q) for q in QUESTIONS]
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(model_dir, prompts) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=256, max_num_seqs=16))
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def test_one_prompt_matches_hf(engine, prompts, hf_outputs):
+    assert engine.generate([prompts[0]], GREEDY)[0].token_ids[0] == hf_outputs[0]
+
+
+def test_sixteen_together_match_hf(engine, prompts, hf_outputs):
+    results = engine.generate(prompts, GREEDY)
+    assert [r.token_ids[0] for r in results] == hf_outputs
+
+
+def test_sixteen_staggered_match_hf(engine, prompts, hf_outputs):
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while step < 2 * len(prompts) or engine.has_unfinished_requests():
+        if step % 2 == 0 and step // 2 < len(prompts):
+            i = step // 2
+            engine.add_request(EngineRequest(f"s{i}", prompts[i], GREEDY))
+            tokens[f"s{i}"] = []
+        for output in engine.step():
+            tokens[output.request_id].extend(output.outputs[0].new_token_ids)
+        step += 1
+    assert [tokens[f"s{i}"] for i in range(len(prompts))] == hf_outputs
+    pool = engine.kv_cache_manager.pool
+    assert pool.num_free_blocks == pool.num_blocks
