@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from app import offline
 from app.settings import SettingsError, add_settings_flags, flag_overrides, load_settings
 
 
@@ -31,16 +32,46 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(serve)
     serve.set_defaults(handler=_serve)
 
-    # ---- `generate` and `estimate` subcommands: added here by the engine side. ----
+    generate = commands.add_parser(
+        "generate", help="generate text offline (no HTTP) with the engine settings"
+    )
+    generate.add_argument("--config", metavar="YAML", help="settings file, e.g. config/cpu.yaml")
+    offline.add_generate_arguments(generate)
+    add_settings_flags(generate)
+    generate.set_defaults(handler=_offline(offline.run_generate))
+
+    estimate = commands.add_parser(
+        "estimate", help="KV memory per token, per context and batch, for a model's config"
+    )
+    estimate.add_argument("--config", metavar="YAML", help="settings file, e.g. config/cpu.yaml")
+    offline.add_estimate_arguments(estimate)
+    add_settings_flags(estimate)
+    estimate.set_defaults(handler=_offline(offline.run_estimate))
 
     return parser
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace, command: str):
     try:
-        settings = load_settings(args.config, os.environ, flag_overrides(args))
+        return load_settings(args.config, os.environ, flag_overrides(args))
     except SettingsError as e:
-        print(f"kvshare serve: error: {e}", file=sys.stderr)
+        print(f"kvshare {command}: error: {e}", file=sys.stderr)
+        return None
+
+
+def _offline(run):
+    def handler(args: argparse.Namespace) -> int:
+        settings = _load(args, args.command)
+        if settings is None:
+            return 2
+        return run(args, settings.to_engine_config())
+
+    return handler
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = _load(args, "serve")
+    if settings is None:
         return 2
     from app.server import build_server, configure_logging, create_app
     from engine.async_engine import AsyncEngine  # lazy: loads torch

@@ -130,10 +130,17 @@ class AsyncEngine:
             if not self._apply_commands(engine, block=block):
                 break
             self._num_waiting = engine.scheduler.num_waiting
-            if engine.has_unfinished_requests():
-                self._deliver(engine.step())
-            else:
-                engine.step()  # idle: lets the engine run its leak check
+            try:
+                outputs = engine.step()  # when idle, this runs the engine's leak check
+            except Exception as exc:  # a bug outside the model: fail the live requests, go on
+                logger.exception("engine step failed")
+                outputs = self._fail_live_requests(engine, f"{type(exc).__name__}: {exc}")
+            self._deliver(outputs)
+
+    @staticmethod
+    def _fail_live_requests(engine: LLMEngine, reason: str) -> list[RequestOutput]:
+        seq_ids = [seq.seq_id for seq in engine.scheduler.live_sequences()]
+        return engine.scheduler.fail_seqs(seq_ids, f"engine fault: {reason}")
 
     def _apply_commands(self, engine: LLMEngine, block: bool) -> bool:
         """Apply queued commands; False once asked to stop."""
@@ -147,11 +154,18 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 self._add(engine, command.request)
             else:
-                self._deliver(engine.abort_request(command.request_id, command.choice_index))
+                self._abort(engine, command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _abort(self, engine: LLMEngine, command: _Abort) -> None:
+        try:
+            outputs = engine.abort_request(command.request_id, command.choice_index)
+        except ValueError:  # one choice of a request that has not forked yet: abort it all
+            outputs = engine.abort_request(command.request_id, None)
+        self._deliver(outputs)
 
     def _add(self, engine: LLMEngine, request: EngineRequest) -> None:
         try:

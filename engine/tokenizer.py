@@ -276,10 +276,14 @@ class IncrementalDetokenizer:
         return self._accept(self._decode_new_text(final=False), final=False)
 
     def finish(self) -> str:
-        """The choice ended: release everything still held (incomplete bytes included)."""
+        """The choice ended: release everything still held.
+
+        Bytes of a multi-byte character that the output cut off (max_tokens reached mid-
+        character) cannot become text: they are dropped rather than shown as U+FFFD.
+        """
         if self.is_stopped:
             return ""
-        return self._accept(self._decode_new_text(final=True), final=True)
+        return self._accept(self._decode_new_text(final=True).rstrip(_REPLACEMENT_CHAR), True)
 
     def _decode(self, start: int, end: int | None = None) -> str:
         ids = self._token_ids[start:end]

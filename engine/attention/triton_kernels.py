@@ -8,8 +8,9 @@ The attention kernels pack the G = H // Hkv query heads that share one KV head i
 of one tile ("rows" = query token x head in group), so each K/V tile is loaded once per group.
 Softmax runs online in fp32, in base 2 (scores are pre-multiplied by scale * log2(e)).
 
-Works on Triton >= 3.4 (the GPU image has 3.6) and under TRITON_INTERPRET=1 on the CPU, where
-the kernels must be imported after the variable is set (triton.jit decides at decoration).
+Compiles with Triton 3.6 (the GPU image) and 3.9. Under TRITON_INTERPRET=1 they also run on
+the CPU (the tests), if triton is imported after the variable is set: triton.jit picks the
+interpreter when it decorates. Triton 3.6's interpreter fails with numpy >= 2.4; 3.9's works.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import anyio
 import pytest
 from fake_engine import FakeEngine
 from helpers import chat_body, make_settings, open_client, wait_ready
+from openai_schemas import assert_valid
 from tiny_tokenizer import FAKE_TEXTS
 
 from app.server import JsonFormatter, create_app
@@ -65,7 +66,10 @@ async def test_draining_turns_ready_and_new_requests_to_503(client, engine) -> N
 async def test_served_model_name_replaces_the_engine_name(engine) -> None:
     async with open_client(engine, make_settings(served_model_name="my-model")) as client:
         models = (await client.get("/v1/models")).json()
+        assert_valid("ListModelsResponse", models)
         assert [m["id"] for m in models["data"]] == ["my-model"]
+        assert models["data"][0]["max_model_len"] == 256
+        assert (await client.get("/v1/models/my-model")).json() == models["data"][0]
         body = chat_body()
         body["model"] = "my-model"
         response = await client.post(CHAT, json=body)

@@ -47,6 +47,7 @@ class LiveServer:
         for connection in list(self.server.server_state.connections):
             connection.transport.close()
         self.loop.run_until_complete(asyncio.sleep(0))
+        self.loop.close()
 
     def start(self) -> None:
         self.thread.start()
