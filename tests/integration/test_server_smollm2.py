@@ -59,7 +59,9 @@ def test_stream_ends_with_done(server_url, model):
     assert all(json.loads(line[6:])["object"] == "chat.completion.chunk" for line in lines[:-1])
 
 
-@pytest.mark.parametrize("prompt", ["你好，世界！你好，世界！你好，世界！你好，", "😀🎉😀🎉😀🎉😀🎉😀"])
+@pytest.mark.parametrize(
+    "prompt", ["你好，世界！你好，世界！你好，世界！你好，", "😀🎉😀🎉😀🎉😀🎉😀"]
+)
 def test_unicode_streams_without_replacement_characters(client, model, prompt):
     # Greedy continuations of these repeat CJK / emoji, whose bytes span several tokens.
     params = dict(model=model, prompt=prompt, temperature=0, max_tokens=16)
