@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -158,19 +159,26 @@ class ApiKeyMiddleware:
         self.app = app
         self.api_keys = [key.encode() for key in api_keys]
 
-    def _is_valid(self, scope: Scope) -> bool:
+    def _matching_key(self, scope: Scope) -> bytes | None:
         header = _header(scope, b"authorization") or ""
         scheme, _, token = header.partition(" ")
         given = token.strip().encode()
         # Compare with every key, always: the time taken says nothing about which one matched.
         matches = [hmac.compare_digest(given, key) for key in self.api_keys]
-        return scheme.lower() == "bearer" and any(matches)
+        if scheme.lower() != "bearer" or not any(matches):
+            return None
+        return self.api_keys[matches.index(True)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(_GENERATION_PREFIX):
             await self.app(scope, receive, send)
             return
-        if not self._is_valid(scope):
+        key = self._matching_key(scope)
+        record = scope.get("state", {}).get("record")
+        if key is not None and record is not None:
+            # One tenant per key: its prefix-cache namespace never shares blocks with another's.
+            record.tenant = hashlib.sha256(key).hexdigest()[:16]
+        if key is None:
             message = "Invalid or missing API key. Send it as `Authorization: Bearer <key>`."
             headers = {"WWW-Authenticate": "Bearer"}
             error = APIError(401, message, code="invalid_api_key", headers=headers)

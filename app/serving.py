@@ -9,6 +9,7 @@ streamed and the non-streamed text always agree.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import secrets
 import time
@@ -59,9 +60,21 @@ class RequestRecord:
     ttft_s: float | None = None
     finish_reason: str | None = None
     prompt: str | None = None  # kept only with log_prompts
+    tenant: str | None = None  # set from the API key when keys are configured
 
     def usage(self) -> Usage:
         return Usage.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+def cache_namespace_salt(tenant: str | None, cache_salt: str | None) -> str | None:
+    """The prefix-cache salt: the tenant (from the API key) narrowed by the request's cache_salt.
+
+    Requests share cached blocks only when both parts are equal; the JSON encoding keeps
+    ("a", "b:c") and ("a:b", "c") apart.
+    """
+    if tenant is None:
+        return cache_salt
+    return json.dumps([tenant, cache_salt])
 
 
 @dataclass(frozen=True)
@@ -154,7 +167,7 @@ class OpenAIServing:
         if self.settings.log_prompts:
             record.prompt = self.model.tokenizer.render_chat(messages)
         response_id, engine_requests = self._engine_requests(
-            "chatcmpl", [prompt_token_ids], request, prompt_param="messages"
+            "chatcmpl", [prompt_token_ids], request, record, prompt_param="messages"
         )
         formatter = ChatFormatter(**self._formatter_fields(response_id, bool(request.logprobs)))
         return Prepared(formatter, engine_requests, request.stop_strings, request.include_usage)
@@ -169,7 +182,7 @@ class OpenAIServing:
         if self.settings.log_prompts:
             record.prompt = "\n".join(prompt_texts)
         response_id, engine_requests = self._engine_requests(
-            "cmpl", prompts, request, prompt_param="prompt"
+            "cmpl", prompts, request, record, prompt_param="prompt"
         )
         formatter = CompletionFormatter(
             **self._formatter_fields(response_id, request.logprobs is not None),
@@ -192,10 +205,12 @@ class OpenAIServing:
         prefix: str,
         prompts: list[list[int]],
         request: ChatCompletionRequest | CompletionRequest,
+        record: RequestRecord,
         prompt_param: str,
     ) -> tuple[str, list[EngineRequest]]:
         """A response id and one EngineRequest per prompt (ids suffixed -i when several)."""
         response_id = f"{prefix}-{secrets.token_hex(12)}"
+        cache_salt = cache_namespace_salt(record.tenant, request.cache_salt)
         engine_requests = []
         for number, prompt_token_ids in enumerate(prompts):
             max_tokens = self._resolve_max_tokens(len(prompt_token_ids), request, prompt_param)
@@ -203,7 +218,7 @@ class OpenAIServing:
             params.check_token_ids(self.model.info.vocab_size)
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{number}"
             engine_requests.append(
-                EngineRequest(request_id, prompt_token_ids, params, cache_salt=request.cache_salt)
+                EngineRequest(request_id, prompt_token_ids, params, cache_salt=cache_salt)
             )
         return response_id, engine_requests
 

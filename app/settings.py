@@ -160,6 +160,13 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
             flag = "--" + key.replace("_", "-")
             metavar = "A,B" if key in _LIST_KEYS else "VALUE"
             group.add_argument(flag, dest=key, default=None, metavar=metavar)
+    parser.add_argument(
+        "--no-prefix-cache",
+        dest="enable_prefix_cache",
+        action="store_const",
+        const="false",
+        help="turn the prefix cache off (same as --enable-prefix-cache false), for comparison",
+    )
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,11 +1,13 @@
 """The one facade the scheduler uses for KV memory (torch-free).
 
-It hides the block pool (and, later, the radix prefix cache): the scheduler asks for slots,
-forks and frees sequences, and never touches refcounts or free lists itself.
+It hides the block pool and the radix prefix cache: the scheduler admits, grows, forks and
+frees sequences, and never touches refcounts, free lists or tree nodes itself.
 
 References: a live sequence holds one reference on every block of its block table; the
-prefix tree (not built yet) holds one on each block it owns. check_integrity() verifies that
-the pool's refcounts are exactly those references.
+prefix tree holds one on each block it owns. check_integrity() verifies that the pool's
+refcounts are exactly those references. A sequence admitted with a cached prefix also holds
+one lock on the tree node its match ended in, until its first chunk is computed (the block
+copy it needed is done by then) or it is freed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterable
 
 from engine.batch import BlockCopy
 from engine.block_pool import BlockPool, BlockUsage
+from engine.radix_cache import MatchResult, RadixCache, RadixNode
 from engine.sequence import Sequence
 
 
@@ -25,16 +28,25 @@ class WriteViolation(RuntimeError):
 class KVCacheManager:
     """Block tables of sequences over a shared BlockPool, with copy-on-write.
 
-    Contract: allocate_slots() before slot_mapping(); both for the same num_new_tokens, with
-    seq.num_computed_tokens unchanged in between. Block copies recorded by allocate_slots()
-    are drained by take_block_copies() and must reach the runner before that step's forward.
+    Contract: admit() (a waiting sequence) or allocate_slots() (a running one) before
+    slot_mapping(); both for the same num_new_tokens, with seq.num_computed_tokens unchanged
+    in between. Block copies recorded by admit() / allocate_slots() are drained by
+    take_block_copies() and must reach the runner before that step's forward.
+
+    With enable_prefix_cache, a RadixCache over the same pool (`prefix_cache`) shares KV
+    between sequences of one namespace; when free blocks run short, allocation evicts
+    unlocked cached blocks (LRU) before it reports failure. Without it, prefix_cache is None
+    and admit() reuses nothing.
     """
 
-    def __init__(self, block_pool: BlockPool) -> None:
+    def __init__(self, block_pool: BlockPool, enable_prefix_cache: bool = False) -> None:
         self.pool = block_pool
         self.block_size = block_pool.block_size
-        self.num_cow_copies = 0
+        self.prefix_cache = RadixCache(block_pool) if enable_prefix_cache else None
+        self.num_cow_copies = 0  # copy-on-write copies, partial prefix blocks included
         self._pending_copies: list[BlockCopy] = []
+        self._locked_nodes: dict[int, RadixNode] = {}  # seq_id -> node locked at admission
+        self._num_offered_blocks: dict[int, int] = {}  # seq_id -> leading blocks in the tree
 
     # -- capacity ---------------------------------------------------------------------------
     @property
@@ -49,13 +61,17 @@ class KVCacheManager:
     def usage(self) -> BlockUsage:
         return self.pool.usage()
 
+    @property
+    def num_evictions(self) -> int:
+        return self.prefix_cache.num_evictions if self.prefix_cache is not None else 0
+
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Whether allocate_slots(seq, num_new_tokens) would succeed now."""
+        """Whether allocate_slots(seq, num_new_tokens) would succeed now (evicting if need be)."""
         cow_indices, num_new_blocks = self._blocks_needed(seq, num_new_tokens)
-        return len(cow_indices) + num_new_blocks <= self.pool.num_free_blocks
+        return self._num_available_blocks(len(cow_indices) + num_new_blocks) >= 0
 
     # -- allocation -------------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -64,10 +80,11 @@ class KVCacheManager:
         Grows the block table to cover num_computed_tokens + num_new_tokens tokens. An
         existing block in the write range that is not writable (shared, or tree-owned) is
         replaced by a private copy: a BlockCopy(src, dst) is recorded and src loses seq's
-        reference. On False nothing has changed.
+        reference. Short of free blocks, it evicts cached ones first. On False nothing has
+        changed (it evicts only when that makes enough room).
         """
         cow_indices, num_new_blocks = self._blocks_needed(seq, num_new_tokens)
-        if len(cow_indices) + num_new_blocks > self.pool.num_free_blocks:
+        if not self._make_room(len(cow_indices) + num_new_blocks):
             return False
         for index in cow_indices:
             self._copy_on_write(seq, index)
@@ -106,12 +123,17 @@ class KVCacheManager:
         for block_id in parent.block_ids:
             self.pool.incref(block_id)
         child.block_ids = list(parent.block_ids)
+        if parent.seq_id in self._num_offered_blocks:
+            self._num_offered_blocks[child.seq_id] = self._num_offered_blocks[parent.seq_id]
 
     def free(self, seq: Sequence) -> None:
-        """Drop seq's reference on every block of its table. Safe to call again."""
+        """Drop seq's reference on every block of its table and its tree lock. Safe to call
+        again. Blocks the tree holds stay cached (evictable once no one holds them)."""
         for block_id in seq.block_ids:
             self.pool.decref(block_id)
         seq.block_ids = []
+        self._unlock(seq)
+        self._num_offered_blocks.pop(seq.seq_id, None)
 
     def take_block_copies(self) -> list[BlockCopy]:
         """Copies recorded since the last call, in order.
@@ -122,25 +144,95 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    # -- prefix cache hooks (no-ops until the radix cache exists) --------------------------
-    def match_prefix(self, seq: Sequence) -> int:
-        """Prefix cache hook, on admission: reuse cached blocks for seq's leading tokens.
+    # -- prefix cache ---------------------------------------------------------------------
+    def cached_prefix_len(self, seq: Sequence) -> int:
+        """How many of seq's tokens admit() would reuse right now (0 without the cache).
 
-        Will set seq.block_ids / num_computed_tokens from the radix tree match and return
-        the number of tokens found. No prefix cache yet: finds nothing.
+        A lookup only: takes no references (it refreshes the LRU time of what it finds).
         """
-        del seq
-        return 0
+        match = self._match(seq)
+        return match.num_matched_tokens if match is not None else 0
+
+    def admit(self, seq: Sequence, token_budget: int) -> int | None:
+        """Give a waiting seq (no blocks, nothing computed) its cached prefix and the slots of
+        its first chunk; returns the chunk's token count, or None (nothing changed) when the
+        pool cannot hold it even after evicting.
+
+        Reuse: seq's known tokens (prompt, plus outputs after a preemption) are matched with
+        a cap of num_tokens - 1, so at least one token is computed and yields logits. Full
+        cached blocks are shared (one more reference each, listed in the block table). A
+        match ending inside a block gets a fresh private block and a BlockCopy(src=cached
+        block, dst=new): only its first num_partial_tokens slots matter, the rest will be
+        overwritten. The matched tree node stays locked (its partial block cannot be
+        evicted) until the chunk is computed (insert_prefix) or seq is freed. When the
+        pool is too tight to keep the copy's source as well, only the full blocks are
+        reused. num_computed_tokens becomes the reused token count; then
+        min(uncomputed, token_budget) slots are allocated.
+        """
+        assert not seq.block_ids and seq.num_computed_tokens == 0 and token_budget >= 1
+        match = self._match(seq)
+        if match is not None and match.last_node is not None:
+            self._share_full_blocks(seq, match)
+        use_partial = match is not None and match.partial_block_id is not None
+        if use_partial and not self._make_room_to_admit(
+            seq, match.num_partial_tokens, token_budget
+        ):
+            use_partial = False  # its source is pinned: the chunk may fit without the copy
+            self._unlock(seq)
+        if not use_partial and not self._make_room_to_admit(seq, 0, token_budget):
+            self.free(seq)
+            seq.num_computed_tokens = 0
+            return None
+        if use_partial:
+            self._copy_partial_block(seq, match)
+        num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)
+        is_allocated = self.allocate_slots(seq, num_new_tokens)
+        assert is_allocated, f"seq {seq.seq_id}: room was made but allocation failed"
+        return num_new_tokens
 
     def insert_prefix(self, seq: Sequence) -> None:
-        """Prefix cache hook, after a computed chunk and at finish: offer full blocks to
-        the radix tree. No prefix cache yet: nothing to do."""
-        del seq
+        """Offer seq's full, computed blocks to the prefix tree; call after every computed
+        chunk (the runner has written it) and at finish. Never for KV that may be wrong
+        (a failed step). Also ends the admission lock: the partial block is copied by now.
+
+        A block the tree takes becomes tree-owned: read-only from then on (full blocks are
+        never written again). Where the tree already holds the same tokens in another block,
+        seq switches to the tree's block and drops its duplicate.
+        """
+        self._unlock(seq)
+        if self.prefix_cache is None:
+            return
+        num_full_blocks = seq.num_computed_tokens // self.block_size
+        num_offered = self._num_offered_blocks.get(seq.seq_id, 0)
+        if num_full_blocks <= num_offered:
+            return
+        token_ids = seq.token_slice(0, num_full_blocks * self.block_size)
+        block_ids = seq.block_ids[:num_full_blocks]
+        num_taken = self.prefix_cache.insert(seq.cache_namespace, token_ids, block_ids)
+        if num_taken < num_full_blocks - num_offered:
+            self._adopt_tree_blocks(seq, token_ids, num_offered)
+        self._num_offered_blocks[seq.seq_id] = num_full_blocks
+
+    def num_inserted_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of seq whose blocks the tree holds (matched or inserted by seq)."""
+        return self._num_offered_blocks.get(seq.seq_id, 0) * self.block_size
+
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free up to num_blocks cached blocks no sequence holds or locks (LRU leaves first)."""
+        return self.prefix_cache.evict(num_blocks) if self.prefix_cache is not None else []
 
     # -- checks -----------------------------------------------------------------------------
     def check_integrity(self, live_seqs: Iterable[Sequence]) -> None:
-        """Refcount of every block == live block-table references + tree reference."""
+        """Refcount of every block == live block-table references + tree reference; the
+        tree agrees with the pool; locks and insert records belong to live sequences."""
+        live_seqs = list(live_seqs)
         self.pool.check_integrity()
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()
+        live_ids = {seq.seq_id for seq in live_seqs}
+        assert set(self._locked_nodes) <= live_ids, "a finished sequence still holds a lock"
+        assert set(self._num_offered_blocks) <= live_ids, "insert record of a finished seq"
+        assert all(node.num_own_locks > 0 for node in self._locked_nodes.values())
         held = self._references(live_seqs)
         for block_id in range(self.pool.num_blocks):
             expected = held[block_id] + int(self.pool.is_tree_owned(block_id))
@@ -157,6 +249,77 @@ class KVCacheManager:
         return self.pool.total_refcount() - held - tree
 
     # -- helpers ----------------------------------------------------------------------------
+    def _match(self, seq: Sequence) -> MatchResult | None:
+        if self.prefix_cache is None:
+            return None
+        token_ids = seq.token_ids()
+        return self.prefix_cache.match(seq.cache_namespace, token_ids, len(token_ids) - 1)
+
+    def _unlock(self, seq: Sequence) -> None:
+        node = self._locked_nodes.pop(seq.seq_id, None)
+        if node is not None:
+            assert self.prefix_cache is not None
+            self.prefix_cache.unlock(node)
+
+    def _share_full_blocks(self, seq: Sequence, match: MatchResult) -> None:
+        """Lock the match (its partial block must survive until copied), then share."""
+        assert self.prefix_cache is not None and match.last_node is not None
+        self.prefix_cache.lock(match.last_node)
+        self._locked_nodes[seq.seq_id] = match.last_node
+        for block_id in match.full_block_ids:
+            self.pool.incref(block_id)
+        seq.block_ids.extend(match.full_block_ids)
+        seq.num_computed_tokens = len(match.full_block_ids) * self.block_size
+        self._num_offered_blocks[seq.seq_id] = len(match.full_block_ids)
+
+    def _copy_partial_block(self, seq: Sequence, match: MatchResult) -> None:
+        assert match.partial_block_id is not None
+        dst = self.pool.allocate()
+        self.pool.set_num_tokens(dst, match.num_partial_tokens)
+        self._pending_copies.append(BlockCopy(src=match.partial_block_id, dst=dst))
+        self.num_cow_copies += 1
+        seq.block_ids.append(dst)
+        seq.num_computed_tokens += match.num_partial_tokens
+
+    def _adopt_tree_blocks(self, seq: Sequence, token_ids: list[int], start: int) -> None:
+        """Switch seq's blocks from index `start` on to the tree's blocks for the same tokens
+        (where it computed a duplicate), freeing the duplicates seq alone held."""
+        assert self.prefix_cache is not None
+        match = self.prefix_cache.match(seq.cache_namespace, token_ids)
+        assert match.num_matched_tokens == len(token_ids), "inserted tokens are not cached"
+        for index in range(start, len(match.full_block_ids)):
+            tree_block_id, own_block_id = match.full_block_ids[index], seq.block_ids[index]
+            if tree_block_id != own_block_id:
+                self.pool.incref(tree_block_id)
+                self.pool.decref(own_block_id)
+                seq.block_ids[index] = tree_block_id
+
+    def _num_available_blocks(self, num_blocks: int) -> int:
+        """Free blocks (+ evictable ones when short) minus num_blocks; >= 0: it fits."""
+        num_spare = self.pool.num_free_blocks - num_blocks
+        if num_spare >= 0 or self.prefix_cache is None:
+            return num_spare
+        return num_spare + self.prefix_cache.num_evictable_blocks()
+
+    def _make_room_to_admit(self, seq: Sequence, num_partial_tokens: int, budget: int) -> bool:
+        """Room for seq's first chunk after its shared blocks (+ the partial copy)."""
+        num_cached = seq.num_computed_tokens + num_partial_tokens
+        num_new_tokens = min(seq.num_tokens - num_cached, budget)
+        return self._make_room(
+            self.num_blocks_for(num_cached + num_new_tokens) - len(seq.block_ids)
+        )
+
+    def _make_room(self, num_blocks: int) -> bool:
+        """Ensure num_blocks free blocks, evicting cached ones only if that is enough."""
+        if self._num_available_blocks(num_blocks) < 0:
+            return False
+        shortfall = num_blocks - self.pool.num_free_blocks
+        if shortfall > 0:
+            assert self.prefix_cache is not None
+            freed = self.prefix_cache.evict(shortfall)
+            assert len(freed) == shortfall, f"evicted {len(freed)} of {shortfall} blocks"
+        return True
+
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], int]:
         """(table indices needing copy-on-write, number of blocks to append)."""
         first_index = seq.num_computed_tokens // self.block_size

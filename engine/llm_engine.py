@@ -79,7 +79,7 @@ class LLMEngine:
 
     def _build_kv_cache_manager(self) -> KVCacheManager:
         pool = BlockPool(self.runner.num_kv_blocks, self.runner.block_size)
-        return KVCacheManager(pool)
+        return KVCacheManager(pool, enable_prefix_cache=self.config.enable_prefix_cache)
 
     def _build_scheduler(self) -> Scheduler:
         return Scheduler(
@@ -88,6 +88,8 @@ class LLMEngine:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.model_info.max_model_len,
             eos_token_ids=self.model_info.eos_token_ids,
+            weights_version=self.model_info.weights_version,
+            scheduling_policy=self.config.scheduling_policy,
         )
 
     # -- requests -----------------------------------------------------------------------

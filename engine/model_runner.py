@@ -19,6 +19,7 @@ from engine.batch import (
     SchedulerOutput,
 )
 from engine.config import EngineConfig
+from engine.cuda_graph_runner import CudaGraphRunner, graphs_disabled_reason
 from engine.loader import load_model
 from engine.models.llama import LlamaSpec
 from engine.protocol import ModelInfo
@@ -126,7 +127,8 @@ class ModelRunner:
 
     Public attributes: device, dtype, model, hf_config, max_model_len, block_size,
     bytes_per_block, num_kv_blocks, kv_caches (per layer (k, v), each
-    [num_kv_blocks, block_size, Hkv, D]), attn_backend, sampler, model_info.
+    [num_kv_blocks, block_size, Hkv, D]), attn_backend, sampler, model_info, graph_runner
+    (CUDA graphs for decode-only steps; None on the CPU, with enforce_eager or torch attention).
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -140,9 +142,11 @@ class ModelRunner:
         self.sampler = Sampler(self.model_info.eos_token_ids)
         self.block_size = config.block_size
         self.bytes_per_block = self.block_size * kv_bytes_per_token(self.hf_config, self.dtype)
+        self.graph_runner: CudaGraphRunner | None = None  # the sizing warm-up runs eagerly
         self.num_kv_blocks = self._size_kv_pool()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         self._log_capacity()
+        self.graph_runner = self._capture_cuda_graphs()  # needs the final pool: graphs keep it
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Apply copy-on-write copies, run the forward over the batch, sample its last tokens."""
@@ -151,16 +155,55 @@ class ModelRunner:
         if sched_out.is_empty:
             return ModelRunnerOutput()
         self._check_seqs(sched_out.seqs)
+        if self.graph_runner is not None and self.graph_runner.can_replay(sched_out):
+            return self._execute_graph(sched_out)
         inputs = prepare_inputs(sched_out, self.device)
         with torch.inference_mode():
             hidden = self.model(
                 inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.attn_backend
             )  # [T, E]
-            if not inputs.sample_specs:
-                return ModelRunnerOutput()
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [S, V]
-            sampled = self.sampler(logits, inputs.sample_specs)
-        return ModelRunnerOutput(dict(zip(inputs.sample_seq_ids, sampled, strict=True)))
+            return self._sample(
+                hidden[inputs.logits_indices], inputs.sample_seq_ids, inputs.sample_specs
+            )
+
+    def _sample(
+        self, hidden: torch.Tensor, seq_ids: list[int], specs: list[SampleSpec]
+    ) -> ModelRunnerOutput:
+        """hidden [S, E]: the last-token rows of the sampled sequences, in seq_ids order."""
+        if not specs:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden)  # [S, V]
+        sampled = self.sampler(logits, specs)
+        return ModelRunnerOutput(dict(zip(seq_ids, sampled, strict=True)))
+
+    # -- CUDA graphs (engine/cuda_graph_runner.py): decode-only steps replay a captured graph --
+    def _execute_graph(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        seqs = sched_out.seqs
+        rows = [i for i, seq in enumerate(seqs) if seq.sample is not None]
+        seq_ids, specs = [seqs[i].seq_id for i in rows], [seqs[i].sample for i in rows]
+        with torch.inference_mode():
+            hidden = self.graph_runner.replay(sched_out)  # [B, E], row i = sequence i
+            if len(rows) < len(seqs):
+                hidden = hidden[_to_device([rows], self.device)[0]]  # [S, E]
+            return self._sample(hidden, seq_ids, specs)
+
+    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
+        reason = graphs_disabled_reason(
+            self.config.enforce_eager, self.device, self.attn_backend.name
+        )
+        if reason is not None:
+            if self.device.type == "cuda":
+                logger.info("CUDA graphs off: %s; every step runs eagerly", reason)
+            return None
+        graph_runner = CudaGraphRunner(
+            self.model, self.kv_caches, self.attn_backend,
+            block_size=self.block_size, max_model_len=self.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+        )  # fmt: skip
+        graph_runner.capture()
+        return graph_runner
+
+    # -- end CUDA graphs ---------------------------------------------------------------------
 
     def _check_seqs(self, seqs: list[ScheduledSeq]) -> None:
         for seq in seqs:
@@ -217,23 +260,36 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
         logger.info(
-            "CUDA memory: %.2f GiB total, %.2f GiB in use, %.2f GiB activation peak",
+            "CUDA memory: %.2f GiB total, %.2f GiB in use after loading and warm-up, "
+            "%.2f GiB activation peak; gpu_memory_utilization %.2f leaves %.2f GiB for KV",
             total / _GIB,
             (total - free) / _GIB,
             activation_peak / _GIB,
+            self.config.gpu_memory_utilization,
+            max(0.0, budget) / _GIB,
         )
         return max(0, int(budget))
 
     def _warm_up(self, num_tokens: int) -> None:
-        """One dummy prefill of num_tokens through a temporary pool (measures the peak)."""
-        num_blocks = math.ceil(num_tokens / self.block_size)
+        """One dummy prefill of num_tokens through a temporary pool (measures the peak).
+
+        The peak must cover the longest attention and sampling a full batch: one sequence
+        takes all tokens but one per further sequence, up to max_num_seqs sequences, and
+        every one samples with top-p (the sampler's largest path: it sorts the vocabulary).
+        Each sequence owns contiguous blocks, so its slots are consecutive.
+        """
+        num_seqs = min(self.config.max_num_seqs, num_tokens)
+        params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1)
+        seqs, num_blocks = [], 0
+        for i in range(num_seqs):
+            length = num_tokens - (num_seqs - 1) if i == 0 else 1
+            block_ids = list(range(num_blocks, num_blocks + math.ceil(length / self.block_size)))
+            spec = SampleSpec(params, [i], output_index=0, prompt_token_ids=[], output_token_ids=[])
+            seqs.append(ScheduledSeq(i, [0] * length, 0, block_ids, sample=spec))
+            num_blocks += len(block_ids)
+        slots = [s.block_ids[0] * self.block_size + p for s in seqs for p in range(s.num_tokens)]
         self.kv_caches = self._allocate_kv_caches(num_blocks)
-        greedy = SamplingParams(temperature=0.0, max_tokens=1)
-        spec = SampleSpec(
-            greedy, seeds=[0], output_index=0, prompt_token_ids=[], output_token_ids=[]
-        )
-        seq = ScheduledSeq(0, [0] * num_tokens, 0, list(range(num_blocks)), sample=spec)
-        self.execute(SchedulerOutput(seqs=[seq], slot_mapping=list(range(num_tokens))))
+        self.execute(SchedulerOutput(seqs=seqs, slot_mapping=slots))
         del self.kv_caches
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,9 +1,18 @@
 """Step-level continuous batching over the paged KV pool (torch-free).
 
 Each step: decodes first (one token per decoding sequence, preempting the newest running
-sequence by recompute when blocks run out), then prefill chunks of running sequences, then
-admission of waiting sequences in queue order, all under a token budget and a sequence cap.
-The scheduler reaches KV memory only through KVCacheManager.
+sequence by recompute when blocks run out, after cached blocks were evicted), then prefill
+chunks of running sequences, then admission of waiting sequences, all under a token budget
+and a sequence cap. The scheduler reaches KV memory only through KVCacheManager.
+
+Admission order (scheduling_policy):
+  fcfs                  queue order (preempted sequences go back to the front).
+  longest-prefix-first  the first LPF_WINDOW waiting sequences by cached prefix length
+                        (longest first, queue order on ties); one that arrived more than
+                        LPF_MAX_WAIT_STEPS steps ago goes first regardless, so nothing starves.
+With the prefix cache, a waiting sequence whose next uncached full blocks are being prefilled
+by a running sequence of its namespace (its "leader", not inserted yet) is skipped this step:
+it is admitted once the leader has inserted them, or has left prefill, and then reuses them.
 """
 
 from __future__ import annotations
@@ -27,9 +36,12 @@ from engine.protocol import (
     FinishReason,
     RequestOutput,
 )
+from engine.radix_cache import make_namespace
 from engine.sequence import Request, Sequence, SequenceStatus
 
 _MAX_SEED = 2**63 - 1
+LPF_WINDOW = 64  # waiting sequences looked up per step (a lookup costs O(tokens))
+LPF_MAX_WAIT_STEPS = 32  # the age bound of longest-prefix-first, in scheduler steps
 
 
 @dataclass
@@ -40,6 +52,8 @@ class SchedulerCounters:
     num_prompt_tokens: int = 0  # prompt tokens of added requests
     num_prefill_tokens: int = 0  # tokens computed in prefill chunks, recomputation included
     num_generation_tokens: int = 0  # sampled tokens, every choice counted
+    prefix_cache_queries: int = 0  # prompt tokens looked up at first admission (cache on)
+    prefix_cache_hits: int = 0  # of those, tokens reused from the cache
     finished_by_reason: dict[str, int] = field(default_factory=dict)  # finished requests
 
 
@@ -60,6 +74,10 @@ class Scheduler:
     schedule(), even an empty one: requests the scheduler finishes on its own (one that can
     never fit the pool) are reported there. add_request/abort_request/fail_seqs are called
     between steps, from the same thread.
+
+    weights_version goes into every request's prefix-cache namespace
+    (make_namespace(weights_version, None, request.cache_salt)); scheduling_policy is
+    "fcfs" or "longest-prefix-first" (see the module docstring).
     """
 
     def __init__(
@@ -69,9 +87,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
+        *,
+        weights_version: str = "",
+        scheduling_policy: str = "fcfs",
     ) -> None:
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_model_len >= 2
+        assert scheduling_policy in ("fcfs", "longest-prefix-first"), scheduling_policy
         self.kv_cache_manager = kv_cache_manager
+        self.weights_version = weights_version  # part of every request's cache namespace
+        self.scheduling_policy = scheduling_policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -83,6 +107,7 @@ class Scheduler:
         self._running: list[Sequence] = []  # in admission order: the last is the newest
         self._pending_outputs: list[RequestOutput] = []  # finished outside a model step
         self._next_seq_id = 0
+        self._num_steps = 0  # schedule() calls so far
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -130,6 +155,9 @@ class Scheduler:
             num_prefill_tokens=counters.num_prefill_tokens,
             num_generation_tokens=counters.num_generation_tokens,
             num_cow_copies=kv.num_cow_copies,
+            num_evictions=kv.num_evictions,
+            prefix_cache_queries=counters.prefix_cache_queries,
+            prefix_cache_hits=counters.prefix_cache_hits,
             finished_by_reason=dict(counters.finished_by_reason),
         )
 
@@ -152,6 +180,8 @@ class Scheduler:
             sampling_params=params,
             seed=seed,
             num_choices=params.n,
+            cache_namespace=make_namespace(self.weights_version, None, request.cache_salt),
+            arrival_step=self._num_steps,
         )
         self._requests[request.request_id] = Request(request, seed, [seq])
         self._seqs[seq.seq_id] = seq
@@ -199,6 +229,7 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: decodes, then running prefills, then admissions."""
+        self._num_steps += 1
         step = _Step(budget=self.max_num_batched_tokens)
         self._schedule_decodes(step)
         self._schedule_running_prefills(step)
@@ -220,7 +251,7 @@ class Scheduler:
             seq = self._seqs.get(scheduled.seq_id)
             if seq is None:
                 continue
-            self.kv_cache_manager.insert_prefix(seq)  # prefix cache hook
+            self.kv_cache_manager.insert_prefix(seq)  # its chunk is computed: cache full blocks
             if scheduled.sample is None:
                 continue
             sampled = self._sampled_tokens(runner_output, seq)
@@ -269,23 +300,73 @@ class Scheduler:
                 self._add_chunk(step, seq, num_tokens)
 
     def _admit_waiting(self, step: _Step) -> None:
-        while self._waiting and step.budget > 0:
-            seq = self._waiting[0]
+        """Admit in policy order until the budget, the seats or the pool runs out."""
+        for seq in self._admission_order():
+            if step.budget == 0:
+                break
             if self._can_never_fit(seq):
                 self._reject(seq)
                 continue
             if self._num_seats() + seq.num_choices > self.max_num_seqs:
                 break
-            seq.num_cached_tokens = self.kv_cache_manager.match_prefix(seq)  # prefix cache hook
-            num_tokens = min(seq.num_uncomputed_tokens, step.budget)
-            if not self.kv_cache_manager.allocate_slots(seq, num_tokens):
-                self.kv_cache_manager.free(seq)  # drop what match_prefix lent it
-                seq.num_computed_tokens = 0
+            if self._is_held(seq):
+                continue
+            num_tokens = self.kv_cache_manager.admit(seq, step.budget)
+            if num_tokens is None:
                 break
-            self._waiting.popleft()
+            self._waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
+            self._record_first_admission(seq)
             self._add_chunk(step, seq, num_tokens)
+
+    def _admission_order(self) -> list[Sequence]:
+        waiting = list(self._waiting)
+        if self.scheduling_policy == "fcfs":
+            return waiting
+        window, rest = waiting[:LPF_WINDOW], waiting[LPF_WINDOW:]
+        is_aged = [self._num_steps - s.arrival_step > LPF_MAX_WAIT_STEPS for s in window]
+        aged = [s for s, old in zip(window, is_aged, strict=True) if old]
+        young = [s for s, old in zip(window, is_aged, strict=True) if not old]
+        young.sort(key=lambda s: -self.kv_cache_manager.cached_prefix_len(s))  # stable
+        return aged + young + rest
+
+    def _is_held(self, seq: Sequence) -> bool:
+        """In-batch sharing: True while a running, prefilling sequence of seq's namespace
+        (a leader) is computing tokens seq could reuse once the leader has inserted them
+        (tokens shared with seq in blocks the leader's prefill fills), beyond what seq
+        could reuse now.
+
+        Bounded: the leader inserts its full blocks after every chunk, so all of them once
+        its prefill ends, and stops being a leader when it decodes or leaves the running list.
+        """
+        kv = self.kv_cache_manager
+        if kv.prefix_cache is None:
+            return False
+        token_ids = seq.token_slice(0, seq.num_tokens - 1)  # the most a match may cover
+        num_cached = None
+        for leader in self._running:
+            if leader.is_decoding or leader.cache_namespace != seq.cache_namespace:
+                continue
+            num_filled = leader.num_tokens // kv.block_size * kv.block_size
+            num_reusable = leader.num_shared_tokens(token_ids[:num_filled], kv.block_size)
+            if num_reusable <= kv.num_inserted_tokens(leader):
+                continue
+            if num_cached is None:
+                num_cached = kv.cached_prefix_len(seq)
+            if num_reusable > num_cached:
+                return True
+        return False
+
+    def _record_first_admission(self, seq: Sequence) -> None:
+        """num_cached_tokens: the prompt tokens reused when seq was first admitted."""
+        if seq.was_admitted:
+            return
+        seq.was_admitted = True
+        seq.num_cached_tokens = seq.num_computed_tokens
+        if self.kv_cache_manager.prefix_cache is not None:
+            self.counters.prefix_cache_queries += seq.num_prompt_tokens
+            self.counters.prefix_cache_hits += seq.num_cached_tokens
 
     def _reserve_slots(self, step: _Step, seq: Sequence, num_tokens: int) -> bool:
         """allocate_slots, preempting the newest unscheduled running seq until it fits.
@@ -385,7 +466,7 @@ class Scheduler:
         self.counters.num_generation_tokens += 1
         reason, stop_token_id = seq.check_stop(self.eos_token_ids, self.max_model_len)
         if reason is not None:
-            self.kv_cache_manager.insert_prefix(seq)  # prefix cache hook
+            self.kv_cache_manager.insert_prefix(seq)  # prompt + outputs, for the next turn
             self._retire(seq, reason)
         return seq.completion(token, reason, stop_token_id)
 

@@ -53,7 +53,13 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)  # the block table
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (0 until it exists)
+    # Prefix cache: the namespace this sequence may share KV in (see radix_cache.make_namespace)
+    # and the prompt tokens reused at its FIRST admission (re-admissions after a preemption
+    # do not change it).
+    cache_namespace: tuple[str, str, str] = ("", "", "")
+    num_cached_tokens: int = 0
+    was_admitted: bool = False  # admitted at least once (num_cached_tokens is final)
+    arrival_step: int = 0  # the scheduler step it arrived at, for the waiting-age bound
 
     # -- token counts -------------------------------------------------------------------
     @property
@@ -83,6 +89,17 @@ class Sequence:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         head = self.prompt_token_ids[start : min(end, num_prompt)]
         return head + self.output_token_ids[: max(0, end - num_prompt)]
+
+    def num_shared_tokens(self, token_ids: list[int], block_size: int) -> int:
+        """Length of the common prefix of token_ids and this sequence's tokens, compared a
+        block at a time (unrelated sequences differ in their first block: one comparison)."""
+        for start in range(0, len(token_ids), block_size):
+            mine = token_ids[start : start + block_size]
+            theirs = self.token_slice(start, start + len(mine))
+            if mine != theirs:
+                same = (a == b for a, b in zip(mine, theirs, strict=False))
+                return start + next((i for i, s in enumerate(same) if not s), len(theirs))
+        return len(token_ids)
 
     # -- phase ----------------------------------------------------------------------------
     @property
@@ -176,7 +193,10 @@ class Sequence:
             seed=derive_seed(self.seed, choice_index),
             num_computed_tokens=self.num_computed_tokens,
             status=self.status,
+            cache_namespace=self.cache_namespace,
             num_cached_tokens=self.num_cached_tokens,
+            was_admitted=self.was_admitted,
+            arrival_step=self.arrival_step,
         )
 
     def reset_for_recompute(self) -> None:

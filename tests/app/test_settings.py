@@ -141,3 +141,12 @@ def test_a_command_is_required() -> None:
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([])
     assert exit_info.value.code == 2
+
+
+def test_no_prefix_cache_flag_turns_the_cache_off() -> None:
+    for command in ("serve", "generate --prompt hi", "estimate"):
+        args = build_parser().parse_args([*command.split(), "--no-prefix-cache"])
+        settings = load_settings("config/cpu.yaml", {}, flag_overrides(args))
+        assert settings.engine.enable_prefix_cache is False
+        args = build_parser().parse_args(command.split())
+        assert load_settings("config/cpu.yaml", {}, flag_overrides(args)).engine.enable_prefix_cache

@@ -192,9 +192,24 @@ def test_integrity_and_leak_count_see_a_forgotten_sequence() -> None:
         manager.check_integrity([kept])
 
 
-def test_prefix_cache_hooks_find_and_keep_nothing_yet() -> None:
+def test_without_the_prefix_cache_admission_reuses_nothing_and_nothing_is_cached() -> None:
     manager = make_manager()
-    seq = make_seq(0, 9)
-    assert manager.match_prefix(seq) == 0
-    manager.insert_prefix(seq)
-    assert (seq.block_ids, seq.num_computed_tokens, manager.num_free_blocks) == ([], 0, 8)
+    assert manager.prefix_cache is None
+    first = make_seq(0, 9)
+    assert manager.admit(first, 100) == 9
+    compute_admitted(manager, first, 9)
+    manager.insert_prefix(first)
+    assert not any(manager.pool.is_tree_owned(b) for b in range(8))
+    manager.free(first)
+    second = make_seq(1, 9)  # the same tokens
+    assert manager.cached_prefix_len(second) == 0
+    assert manager.admit(second, 4) == 4
+    assert (second.block_ids, second.num_computed_tokens) == ([3], 0)  # oldest-freed last
+    assert manager.evict(8) == [] and manager.num_evictions == 0
+
+
+def compute_admitted(manager: KVCacheManager, seq: Sequence, num_tokens: int) -> list[int]:
+    """The rest of a first chunk after admit(): slots, then the tokens are computed."""
+    slots = manager.slot_mapping(seq, num_tokens)
+    seq.num_computed_tokens += num_tokens
+    return slots

@@ -90,10 +90,19 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 128,
     eos_token_ids: tuple[int, ...] = (),
+    enable_prefix_cache: bool = False,
+    scheduling_policy: str = "fcfs",
 ) -> tuple[Scheduler, FakeRunner]:
-    manager = KVCacheManager(BlockPool(num_blocks=num_blocks, block_size=BLOCK_SIZE))
+    pool = BlockPool(num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    manager = KVCacheManager(pool, enable_prefix_cache=enable_prefix_cache)
     scheduler = Scheduler(
-        manager, max_num_seqs, max_num_batched_tokens, max_model_len, eos_token_ids
+        manager,
+        max_num_seqs,
+        max_num_batched_tokens,
+        max_model_len,
+        eos_token_ids,
+        weights_version="w0",
+        scheduling_policy=scheduling_policy,
     )
     return scheduler, FakeRunner(scheduler)
 
@@ -118,6 +127,7 @@ class Collected:
     stop_token_ids: dict[int, int | None] = field(default_factory=dict)
     error: str | None = None
     finished: bool = False
+    num_cached_tokens: int = 0
 
 
 def collect(results: dict[str, Collected], outputs: list[RequestOutput]) -> None:
@@ -125,6 +135,7 @@ def collect(results: dict[str, Collected], outputs: list[RequestOutput]) -> None
         result = results.setdefault(output.request_id, Collected())
         assert not result.finished, f"{output.request_id} got output after finishing"
         result.finished, result.error = output.finished, output.error
+        result.num_cached_tokens = output.num_cached_tokens
         for choice in output.outputs:
             assert choice.index not in result.reasons, "a finished choice got more output"
             result.tokens.setdefault(choice.index, []).extend(choice.new_token_ids)
@@ -140,7 +151,8 @@ def run(
     results: dict[str, Collected] | None = None,
     max_steps: int = 500,
 ) -> dict[str, Collected]:
-    """Add arrivals[k] before step k; step until every request finished; all blocks free.
+    """Add arrivals[k] before step k; step until every request finished; no sequence holds
+    a block (each is free or cached by the prefix tree alone).
 
     `results` carries what earlier, hand-driven steps collected.
     """
@@ -154,7 +166,8 @@ def run(
     assert not scheduler.has_unfinished_requests()
     assert all(result.finished for result in results.values())
     pool = scheduler.kv_cache_manager.pool
-    assert pool.num_free_blocks == pool.num_blocks
+    held = [b for b in range(pool.num_blocks) if pool.refcount(b)]
+    assert all(pool.is_tree_owned(b) and pool.refcount(b) == 1 for b in held)
     assert scheduler.num_leaked_blocks() == 0
     return results
 

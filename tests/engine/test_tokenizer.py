@@ -170,7 +170,10 @@ def test_stop_strings_cut_before_the_earliest_match(tiny, text: str, stops: list
     if matches:
         assert detokenizer.stop_string is not None
         assert text.find(detokenizer.stop_string) == min(matches)[0]
-        assert tail == ""
+        # A match is confirmed while streaming unless a stop that would start earlier could
+        # still complete (stops "a" and "baa" on "ba"); then finish() confirms it.
+        earlier_open = any(s.startswith(text[i:]) for s in stops for i in range(min(matches)[0]))
+        assert tail == "" or earlier_open
     else:
         assert detokenizer.stop_string is None
 

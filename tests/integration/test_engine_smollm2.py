@@ -100,5 +100,7 @@ def test_sixteen_staggered_match_hf(engine, prompts, hf_outputs):
             tokens[output.request_id].extend(output.outputs[0].new_token_ids)
         step += 1
     assert [tokens[f"s{i}"] for i in range(len(prompts))] == hf_outputs
-    pool = engine.kv_cache_manager.pool
-    assert pool.num_free_blocks == pool.num_blocks
+    # No sequence holds a block: every block is free or held by the prefix tree alone.
+    engine.kv_cache_manager.check_integrity([])
+    usage = engine.kv_cache_manager.usage
+    assert usage.num_private_blocks == usage.num_shared_blocks == 0
