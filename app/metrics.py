@@ -54,7 +54,8 @@ _ENGINE_COUNTERS = (
 )  # fmt: skip
 _ENGINE_GAUGES = (
     ("kvshare_kv_blocks_total", "KV blocks in the pool.", "num_total_blocks"),
-    ("kvshare_kv_usage_watermark", "Peak fraction of KV blocks in use since start.",
+    ("kvshare_kv_usage_watermark",
+     "Peak fraction of KV blocks held by requests since start (cache-only blocks excluded).",
      "kv_usage_watermark"),
     ("kvshare_kv_fragmentation_ratio", "Unused token slots in allocated blocks / allocated slots.",
      "kv_fragmentation_ratio"),

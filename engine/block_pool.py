@@ -24,7 +24,7 @@ class BlockUsage:
     num_shared_blocks: int  # refcount > 1
     num_cached_blocks: int  # refcount 1 and owned by the tree (only the tree holds it)
     fragmentation_ratio: float  # unused slots in allocated blocks / allocated slots
-    usage_watermark: float  # peak used fraction since start
+    usage_watermark: float  # peak fraction held by sequences since start (cached blocks excluded)
 
 
 class BlockPool:
@@ -44,6 +44,8 @@ class BlockPool:
         self._num_tokens = [0] * num_blocks  # filled slots, for fragmentation
         self._tree_owned = [False] * num_blocks
         self._free_ids: deque[int] = deque(range(num_blocks))
+        # Tree-owned blocks with refcount 1: evictable on demand, so not "used" by requests.
+        self._num_cached = 0
         self._peak_used = 0
 
     # -- allocation -------------------------------------------------------------------
@@ -62,12 +64,23 @@ class BlockPool:
         assert self._refcounts[block_id] == 0, f"block {block_id} on the free list is in use"
         self._refcounts[block_id] = 1
         self._num_tokens[block_id] = 0
-        self._peak_used = max(self._peak_used, self.num_used_blocks)
+        self._note_peak()
         return block_id
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        """Blocks held by sequences: allocated minus those only the prefix tree holds."""
+        return self.num_used_blocks - self._num_cached
+
+    def _note_peak(self) -> None:
+        self._peak_used = max(self._peak_used, self.num_blocks_in_use)
 
     def incref(self, block_id: int) -> int:
         assert self._refcounts[block_id] > 0, f"incref of free block {block_id}"
         self._refcounts[block_id] += 1
+        if self._tree_owned[block_id] and self._refcounts[block_id] == 2:
+            self._num_cached -= 1  # a request took a cached block back into use
+            self._note_peak()
         return self._refcounts[block_id]
 
     def decref(self, block_id: int) -> int:
@@ -76,6 +89,8 @@ class BlockPool:
         assert refcount > 0, f"decref of free block {block_id}"
         refcount -= 1
         self._refcounts[block_id] = refcount
+        if self._tree_owned[block_id] and refcount == 1:
+            self._num_cached += 1
         if refcount == 0:
             assert not self._tree_owned[block_id], f"block {block_id} freed while tree-owned"
             self._num_tokens[block_id] = 0
@@ -88,6 +103,8 @@ class BlockPool:
     # -- ownership and fill -------------------------------------------------------------
     def set_tree_owned(self, block_id: int, owned: bool) -> None:
         assert self._refcounts[block_id] > 0, f"tree ownership of free block {block_id}"
+        if owned != self._tree_owned[block_id] and self._refcounts[block_id] == 1:
+            self._num_cached += 1 if owned else -1
         self._tree_owned[block_id] = owned
 
     def is_tree_owned(self, block_id: int) -> bool:
@@ -144,3 +161,5 @@ class BlockPool:
                 f"block {block_id}: refcount {refcount} but on free list: {is_free}"
             )
             assert not (is_free and self._tree_owned[block_id]), f"free block {block_id} tree-owned"
+        num_cached = sum(1 for b, r in enumerate(self._refcounts) if r == 1 and self._tree_owned[b])
+        assert num_cached == self._num_cached, f"cached count {self._num_cached} != {num_cached}"

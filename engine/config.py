@@ -27,6 +27,16 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     num_threads: int | None = None  # CPU: torch threads (None: torch's default)
     cache_dir: str | None = None  # None: $KVSHARE_CACHE_DIR or ~/.cache/kvshare
+    # Shadow audit of the prefix cache (engine/auditor.py): the fraction of cache hits whose
+    # prompt is recomputed without the cache and compared, and its cost limits.
+    audit_sample_rate: float = 0.01
+    audit_max_tokens_per_step: int = 256  # audit tokens per step, within the step's leftover
+    audit_max_pending: int = 4  # audits queued at once; more are dropped (counted)
+    # Corruption threshold on max|cached - recomputed| / max(1, max|recomputed|), per dtype.
+    audit_tolerance_float32: float = 1e-3
+    audit_tolerance_bfloat16: float = 5e-2
+    audit_tolerance_float16: float = 5e-2
+    enable_fault_injection: bool = False  # drills only: corrupt / mis-map cached blocks
 
     def __post_init__(self) -> None:
         checks = [
@@ -69,7 +79,22 @@ class EngineConfig:
                 "max_model_len",
                 "must be >= 1",
             ),
+            (0.0 <= self.audit_sample_rate <= 1.0, "audit_sample_rate", "must be in [0, 1]"),
+            (self.audit_max_tokens_per_step >= 1, "audit_max_tokens_per_step", "must be >= 1"),
+            (self.audit_max_pending >= 1, "audit_max_pending", "must be >= 1"),
+            *(
+                (getattr(self, name) > 0.0, name, "must be > 0")
+                for name in (
+                    "audit_tolerance_float32",
+                    "audit_tolerance_bfloat16",
+                    "audit_tolerance_float16",
+                )
+            ),
         ]
         for ok, name, rule in checks:
             if not ok:
                 raise ParamError(name, f"{name} {rule}, got {getattr(self, name)!r}")
+
+    def audit_tolerance(self, dtype: str) -> float:
+        """The corruption threshold of the audit for a torch dtype name ("float32", ...)."""
+        return getattr(self, f"audit_tolerance_{dtype}")

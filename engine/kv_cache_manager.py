@@ -7,7 +7,14 @@ References: a live sequence holds one reference on every block of its block tabl
 prefix tree holds one on each block it owns. check_integrity() verifies that the pool's
 refcounts are exactly those references. A sequence admitted with a cached prefix also holds
 one lock on the tree node its match ended in, until its first chunk is computed (the block
-copy it needed is done by then) or it is freed.
+copy it needed is done by then) or it is freed. Other holders (the cache auditor) take
+references through hold_blocks() / allocate_held_blocks() and drop them with release_blocks();
+they count as references like a sequence's.
+
+Quarantine: quarantine() drops blocks found wrong from the tree; a sequence that still holds
+one keeps reading it, but insert_prefix() never offers that block, nor any block after it in
+the sequence's table (their KV was computed from it), to the tree again. A quarantined block
+leaves the quarantine when its last reference goes (its next owner writes fresh KV).
 """
 
 from __future__ import annotations
@@ -22,7 +29,14 @@ from engine.sequence import Sequence
 
 
 class WriteViolation(RuntimeError):
-    """A slot mapping would write into a block another holder can read (invariant 2)."""
+    """A slot mapping would write into a block another holder can read (invariant 2).
+
+    block_id: the block it would write (None when the position lies past the block table).
+    """
+
+    def __init__(self, message: str, block_id: int | None = None) -> None:
+        super().__init__(message)
+        self.block_id = block_id
 
 
 class KVCacheManager:
@@ -47,6 +61,10 @@ class KVCacheManager:
         self._pending_copies: list[BlockCopy] = []
         self._locked_nodes: dict[int, RadixNode] = {}  # seq_id -> node locked at admission
         self._num_offered_blocks: dict[int, int] = {}  # seq_id -> leading blocks in the tree
+        self._admitted_cache_blocks: dict[int, list[int]] = {}  # seq_id -> tree blocks reused
+        self._held: dict[str, list[int]] = {}  # holder -> blocks it references (auditor)
+        self._quarantined: set[int] = set()  # found wrong, still referenced by someone
+        self.num_quarantined_blocks = 0  # blocks ever quarantined
 
     # -- capacity ---------------------------------------------------------------------------
     @property
@@ -112,7 +130,8 @@ class KVCacheManager:
                 raise WriteViolation(
                     f"seq {seq.seq_id} would write block {block_id} (refcount "
                     f"{self.pool.refcount(block_id)}, tree-owned "
-                    f"{self.pool.is_tree_owned(block_id)}) at position {position}"
+                    f"{self.pool.is_tree_owned(block_id)}) at position {position}",
+                    block_id,
                 )
             slots.append(block_id * self.block_size + offset)
         return slots
@@ -130,10 +149,11 @@ class KVCacheManager:
         """Drop seq's reference on every block of its table and its tree lock. Safe to call
         again. Blocks the tree holds stay cached (evictable once no one holds them)."""
         for block_id in seq.block_ids:
-            self.pool.decref(block_id)
+            self._decref(block_id)
         seq.block_ids = []
         self._unlock(seq)
         self._num_offered_blocks.pop(seq.seq_id, None)
+        self._admitted_cache_blocks.pop(seq.seq_id, None)
 
     def take_block_copies(self) -> list[BlockCopy]:
         """Copies recorded since the last call, in order.
@@ -202,7 +222,7 @@ class KVCacheManager:
         self._unlock(seq)
         if self.prefix_cache is None:
             return
-        num_full_blocks = seq.num_computed_tokens // self.block_size
+        num_full_blocks = self._num_trusted_blocks(seq, seq.num_computed_tokens // self.block_size)
         num_offered = self._num_offered_blocks.get(seq.seq_id, 0)
         if num_full_blocks <= num_offered:
             return
@@ -213,6 +233,11 @@ class KVCacheManager:
             self._adopt_tree_blocks(seq, token_ids, num_offered)
         self._num_offered_blocks[seq.seq_id] = num_full_blocks
 
+    def take_admitted_cache_blocks(self, seq: Sequence) -> list[int]:
+        """The tree blocks admit() reused for seq, in order: its shared full blocks, then the
+        source of its copied partial block, if any ([] without a hit). Forgotten once taken."""
+        return self._admitted_cache_blocks.pop(seq.seq_id, [])
+
     def num_inserted_tokens(self, seq: Sequence) -> int:
         """Leading tokens of seq whose blocks the tree holds (matched or inserted by seq)."""
         return self._num_offered_blocks.get(seq.seq_id, 0) * self.block_size
@@ -220,6 +245,52 @@ class KVCacheManager:
     def evict(self, num_blocks: int) -> list[int]:
         """Free up to num_blocks cached blocks no sequence holds or locks (LRU leaves first)."""
         return self.prefix_cache.evict(num_blocks) if self.prefix_cache is not None else []
+
+    # -- other holders and quarantine ---------------------------------------------------------
+    def hold_blocks(self, holder: str, block_ids: list[int]) -> bool:
+        """One more reference on each block for `holder`, until release_blocks(holder).
+        False (nothing held) if one of them is free: there is nothing left to hold."""
+        if any(self.pool.refcount(block_id) == 0 for block_id in block_ids):
+            return False
+        for block_id in block_ids:
+            self.pool.incref(block_id)
+        self._held.setdefault(holder, []).extend(block_ids)
+        return True
+
+    def allocate_held_blocks(self, holder: str, num_tokens: int) -> list[int] | None:
+        """Fresh private blocks for num_tokens tokens, held by `holder` (never cached: the tree
+        only takes blocks from insert_prefix). Evicts cached blocks if needed; None (nothing
+        changed) when even that leaves no room."""
+        num_blocks = self.num_blocks_for(num_tokens)
+        if not self._make_room(num_blocks):
+            return None
+        block_ids = [self.pool.allocate() for _ in range(num_blocks)]
+        for index, block_id in enumerate(block_ids):
+            self.pool.set_num_tokens(block_id, min(self.block_size, num_tokens - index * self.block_size))
+        self._held.setdefault(holder, []).extend(block_ids)
+        return block_ids
+
+    def release_blocks(self, holder: str) -> None:
+        """Drop every reference `holder` took. Safe to call again."""
+        for block_id in self._held.pop(holder, []):
+            self._decref(block_id)
+
+    def quarantine(self, block_ids: list[int]) -> list[int]:
+        """Take blocks found wrong out of the prefix tree, with everything cached after them
+        (computed from them), so that no new request can match them. Returns the blocks newly
+        quarantined; sequences holding them go on but never insert them (module docstring)."""
+        newly: list[int] = []
+        for block_id in block_ids:
+            dropped = self.prefix_cache.invalidate(block_id) if self.prefix_cache else []
+            for dropped_id in dict.fromkeys([block_id, *dropped]):
+                if dropped_id not in self._quarantined and self.pool.refcount(dropped_id) > 0:
+                    self._quarantined.add(dropped_id)
+                    newly.append(dropped_id)
+        self.num_quarantined_blocks += len(newly)
+        return newly
+
+    def is_quarantined(self, block_id: int) -> bool:
+        return block_id in self._quarantined
 
     # -- checks -----------------------------------------------------------------------------
     def check_integrity(self, live_seqs: Iterable[Sequence]) -> None:
@@ -232,6 +303,9 @@ class KVCacheManager:
         live_ids = {seq.seq_id for seq in live_seqs}
         assert set(self._locked_nodes) <= live_ids, "a finished sequence still holds a lock"
         assert set(self._num_offered_blocks) <= live_ids, "insert record of a finished seq"
+        for block_id in self._quarantined:
+            assert self.pool.refcount(block_id) > 0, f"quarantined block {block_id} is free"
+            assert not self.pool.is_tree_owned(block_id), f"quarantined block {block_id} cached"
         assert all(node.num_own_locks > 0 for node in self._locked_nodes.values())
         held = self._references(live_seqs)
         for block_id in range(self.pool.num_blocks):
@@ -255,6 +329,18 @@ class KVCacheManager:
         token_ids = seq.token_ids()
         return self.prefix_cache.match(seq.cache_namespace, token_ids, len(token_ids) - 1)
 
+    def _num_trusted_blocks(self, seq: Sequence, num_blocks: int) -> int:
+        """num_blocks, cut before seq's first quarantined block."""
+        if self._quarantined:
+            for index, block_id in enumerate(seq.block_ids[:num_blocks]):
+                if block_id in self._quarantined:
+                    return index
+        return num_blocks
+
+    def _decref(self, block_id: int) -> None:
+        if self.pool.decref(block_id) == 0:
+            self._quarantined.discard(block_id)
+
     def _unlock(self, seq: Sequence) -> None:
         node = self._locked_nodes.pop(seq.seq_id, None)
         if node is not None:
@@ -271,6 +357,7 @@ class KVCacheManager:
         seq.block_ids.extend(match.full_block_ids)
         seq.num_computed_tokens = len(match.full_block_ids) * self.block_size
         self._num_offered_blocks[seq.seq_id] = len(match.full_block_ids)
+        self._admitted_cache_blocks[seq.seq_id] = list(match.full_block_ids)
 
     def _copy_partial_block(self, seq: Sequence, match: MatchResult) -> None:
         assert match.partial_block_id is not None
@@ -280,6 +367,7 @@ class KVCacheManager:
         self.num_cow_copies += 1
         seq.block_ids.append(dst)
         seq.num_computed_tokens += match.num_partial_tokens
+        self._admitted_cache_blocks.setdefault(seq.seq_id, []).append(match.partial_block_id)
 
     def _adopt_tree_blocks(self, seq: Sequence, token_ids: list[int], start: int) -> None:
         """Switch seq's blocks from index `start` on to the tree's blocks for the same tokens
@@ -291,7 +379,7 @@ class KVCacheManager:
             tree_block_id, own_block_id = match.full_block_ids[index], seq.block_ids[index]
             if tree_block_id != own_block_id:
                 self.pool.incref(tree_block_id)
-                self.pool.decref(own_block_id)
+                self._decref(own_block_id)
                 seq.block_ids[index] = tree_block_id
 
     def _num_available_blocks(self, num_blocks: int) -> int:
@@ -338,7 +426,7 @@ class KVCacheManager:
         self.pool.set_num_tokens(dst, self.pool.num_tokens(src))
         self._pending_copies.append(BlockCopy(src=src, dst=dst))
         self.num_cow_copies += 1
-        self.pool.decref(src)
+        self._decref(src)
         seq.block_ids[index] = dst
 
     def _record_fill(self, seq: Sequence, num_tokens: int) -> None:
@@ -349,6 +437,8 @@ class KVCacheManager:
 
     def _references(self, live_seqs: Iterable[Sequence]) -> Counter[int]:
         held: Counter[int] = Counter()
+        for block_ids in self._held.values():
+            held.update(block_ids)
         for seq in live_seqs:
             assert len(set(seq.block_ids)) == len(seq.block_ids), (
                 f"seq {seq.seq_id} lists a block twice: {seq.block_ids}"

@@ -103,10 +103,20 @@ class EngineStats:
     num_audit_drifts: int = 0
     num_audits_dropped: int = 0
     num_quarantined_blocks: int = 0
+    num_write_violations: int = 0  # slot mappings that targeted a shared / cached block
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     # Drained on each read: the steps since the previous stats() call.
     recent_steps: list[StepSample] = field(default_factory=list)
     recent_audit_max_abs_diffs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FaultReport:
+    """What a fault-injection drill did (POST /debug/faults; off unless enabled)."""
+
+    kind: str  # corrupt_block | wrong_block
+    block_ids: list[int]  # the blocks it touched
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,16 @@ class EngineClient(Protocol):
         ...
 
     async def shutdown(self) -> None: ...
+
+    async def inject_fault(
+        self, kind: str, block_id: int | None = None, other_block_id: int | None = None
+    ) -> FaultReport:
+        """Drills only: damage the prefix cache between two steps (see engine/auditor.py).
+
+        Raises PermissionError unless the engine was configured with enable_fault_injection,
+        ValueError for an unknown kind or a target the cache does not hold.
+        """
+        ...
 
 
 class EngineFault(RuntimeError):

@@ -385,7 +385,35 @@ class RadixCache:
         node.parent = None
         return parent
 
+    def swap_blocks(self, block_a: int, block_b: int) -> None:
+        """Fault drills only: make the tree map each block's tokens to the other block.
+
+        Breaks strict matching on purpose (a prefix now points at KV of other tokens) so that
+        the auditor can be seen to catch it; references and ownership stay consistent.
+        """
+        node_a, node_b = self._node_of_block[block_a], self._node_of_block[block_b]
+        index_a, index_b = node_a.block_ids.index(block_a), node_b.block_ids.index(block_b)
+        node_a.block_ids[index_a], node_b.block_ids[index_b] = block_b, block_a
+        self._node_of_block[block_a], self._node_of_block[block_b] = node_b, node_a
+
     # -- inspection ---------------------------------------------------------------------
+    def recent_path_block_ids(self) -> list[int]:
+        """Blocks from a root down to the most recently used leaf ([] for an empty tree)."""
+        leaves = [
+            node
+            for root in self._roots.values()
+            for node in self._preorder(root)
+            if not node.children and not node.is_root
+        ]
+        if not leaves:
+            return []
+        node: RadixNode | None = max(leaves, key=lambda n: (n.last_access, n.node_id))
+        edges: list[list[int]] = []
+        while node is not None and not node.is_root:
+            edges.append(node.block_ids)
+            node = node.parent
+        return [block_id for edge in reversed(edges) for block_id in edge]
+
     def tree_block_ids(self) -> list[int]:
         """Every block the tree holds a reference to, sorted."""
         return sorted(self._node_of_block)

@@ -13,10 +13,15 @@ Admission order (scheduling_policy):
 With the prefix cache, a waiting sequence whose next uncached full blocks are being prefilled
 by a running sequence of its namespace (its "leader", not inserted yet) is skipped this step:
 it is admitted once the leader has inserted them, or has left prefill, and then reuses them.
+
+Write audit: a slot mapping that would write into a shared or cached block (a bug upstream)
+fails only the request it belongs to, with an error, quarantines the block, is counted in
+num_write_violations, and the step goes on without that sequence.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections import deque
 from collections.abc import Iterable
@@ -28,7 +33,7 @@ from engine.batch import (
     ScheduledSeq,
     SchedulerOutput,
 )
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, WriteViolation
 from engine.protocol import (
     CompletionOutput,
     EngineRequest,
@@ -38,6 +43,8 @@ from engine.protocol import (
 )
 from engine.radix_cache import make_namespace
 from engine.sequence import Request, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 _MAX_SEED = 2**63 - 1
 LPF_WINDOW = 64  # waiting sequences looked up per step (a lookup costs O(tokens))
@@ -55,6 +62,22 @@ class SchedulerCounters:
     prefix_cache_queries: int = 0  # prompt tokens looked up at first admission (cache on)
     prefix_cache_hits: int = 0  # of those, tokens reused from the cache
     finished_by_reason: dict[str, int] = field(default_factory=dict)  # finished requests
+    num_write_violations: int = 0  # slot mappings into shared / cached blocks (requests failed)
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """A sequence admitted for the first time with a cached prefix (for the cache auditor).
+
+    cached_block_ids: the tree blocks it reused, in order (full blocks, then the source of
+    its partial copy); they cover its first num_cached_tokens prompt tokens.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]  # read only
+    cached_block_ids: list[int]
+    num_cached_tokens: int
 
 
 @dataclass
@@ -65,6 +88,7 @@ class _Step:
     output: SchedulerOutput = field(default_factory=SchedulerOutput)
     scheduled_ids: set[int] = field(default_factory=set)
     num_preempted: int = 0
+    violations: list[tuple[Sequence, WriteViolation]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -77,7 +101,9 @@ class Scheduler:
 
     weights_version goes into every request's prefix-cache namespace
     (make_namespace(weights_version, None, request.cache_salt)); scheduling_policy is
-    "fcfs" or "longest-prefix-first" (see the module docstring).
+    "fcfs" or "longest-prefix-first" (see the module docstring). With record_cache_hits,
+    every first admission that reuses cached tokens is kept as a CacheHit for
+    take_cache_hits() (the engine drains them every step for the auditor).
     """
 
     def __init__(
@@ -90,6 +116,7 @@ class Scheduler:
         *,
         weights_version: str = "",
         scheduling_policy: str = "fcfs",
+        record_cache_hits: bool = False,
     ) -> None:
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_model_len >= 2
         assert scheduling_policy in ("fcfs", "longest-prefix-first"), scheduling_policy
@@ -108,6 +135,8 @@ class Scheduler:
         self._pending_outputs: list[RequestOutput] = []  # finished outside a model step
         self._next_seq_id = 0
         self._num_steps = 0  # schedule() calls so far
+        self.record_cache_hits = record_cache_hits
+        self._cache_hits: list[CacheHit] = []
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -131,6 +160,11 @@ class Scheduler:
 
     def num_leaked_blocks(self) -> int:
         return self.kv_cache_manager.num_leaked_blocks(list(self._seqs.values()))
+
+    def take_cache_hits(self) -> list[CacheHit]:
+        """Cache hits recorded since the last call (only with record_cache_hits)."""
+        hits, self._cache_hits = self._cache_hits, []
+        return hits
 
     def stats(self) -> EngineStats:
         """Queue sizes, block usage and counters. Engine thread only (reads live state);
@@ -158,6 +192,8 @@ class Scheduler:
             num_evictions=kv.num_evictions,
             prefix_cache_queries=counters.prefix_cache_queries,
             prefix_cache_hits=counters.prefix_cache_hits,
+            num_quarantined_blocks=kv.num_quarantined_blocks,
+            num_write_violations=counters.num_write_violations,
             finished_by_reason=dict(counters.finished_by_reason),
         )
 
@@ -235,6 +271,7 @@ class Scheduler:
         self._schedule_running_prefills(step)
         if not step.num_preempted:  # blocks just taken from a victim: do not re-admit it now
             self._admit_waiting(step)
+        self._fail_write_violations(step)  # after every allocation: freed blocks stay unused
         step.output.block_copies = self.kv_cache_manager.take_block_copies()
         return step.output
 
@@ -317,7 +354,8 @@ class Scheduler:
             self._waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
-            self._record_first_admission(seq)
+            cached_block_ids = self.kv_cache_manager.take_admitted_cache_blocks(seq)
+            self._record_first_admission(seq, cached_block_ids)
             self._add_chunk(step, seq, num_tokens)
 
     def _admission_order(self) -> list[Sequence]:
@@ -358,7 +396,7 @@ class Scheduler:
                 return True
         return False
 
-    def _record_first_admission(self, seq: Sequence) -> None:
+    def _record_first_admission(self, seq: Sequence, cached_block_ids: list[int]) -> None:
         """num_cached_tokens: the prompt tokens reused when seq was first admitted."""
         if seq.was_admitted:
             return
@@ -367,6 +405,15 @@ class Scheduler:
         if self.kv_cache_manager.prefix_cache is not None:
             self.counters.prefix_cache_queries += seq.num_prompt_tokens
             self.counters.prefix_cache_hits += seq.num_cached_tokens
+        if self.record_cache_hits and seq.num_cached_tokens > 0:
+            hit = CacheHit(
+                seq.seq_id,
+                seq.request_id,
+                seq.prompt_token_ids,
+                cached_block_ids,
+                seq.num_cached_tokens,
+            )
+            self._cache_hits.append(hit)
 
     def _reserve_slots(self, step: _Step, seq: Sequence, num_tokens: int) -> bool:
         """allocate_slots, preempting the newest unscheduled running seq until it fits.
@@ -391,6 +438,12 @@ class Scheduler:
 
     def _add_chunk(self, step: _Step, seq: Sequence, num_tokens: int) -> None:
         assert num_tokens >= 1
+        try:
+            slots = self.kv_cache_manager.slot_mapping(seq, num_tokens)
+        except WriteViolation as violation:  # not scheduled; its request fails after admission
+            step.violations.append((seq, violation))
+            step.scheduled_ids.add(seq.seq_id)
+            return
         start = seq.num_computed_tokens
         is_prefill = not seq.is_decoding
         end = start + num_tokens
@@ -400,12 +453,31 @@ class Scheduler:
                 seq.seq_id, seq.token_slice(start, end), start, list(seq.block_ids), sample
             )
         )
-        step.output.slot_mapping.extend(self.kv_cache_manager.slot_mapping(seq, num_tokens))
+        step.output.slot_mapping.extend(slots)
         seq.num_computed_tokens = end
         step.budget -= num_tokens
         step.scheduled_ids.add(seq.seq_id)
         if is_prefill:
             self.counters.num_prefill_tokens += num_tokens
+
+    def _fail_write_violations(self, step: _Step) -> None:
+        """Fail the request of each sequence whose slot mapping broke read-only sharing and
+        quarantine the block it would have written; everything else goes on."""
+        for seq, violation in step.violations:
+            request = self._requests.get(seq.request_id)
+            if request is None:  # a sibling choice already failed it
+                continue
+            block_id = violation.block_id
+            quarantined = self.kv_cache_manager.quarantine([] if block_id is None else [block_id])
+            self.counters.num_write_violations += 1
+            logger.warning(
+                "KV write violation in request %s: %s; failing it, quarantined blocks %s",
+                seq.request_id,
+                violation,
+                quarantined,
+            )
+            message = f"internal KV cache error (write into a shared block): {violation}"
+            self._pending_outputs.append(self._fail_request(request, message))
 
     # -- admission limits ------------------------------------------------------------------
     def _num_seats(self) -> int:

@@ -132,3 +132,21 @@ def test_check_integrity_catches_corruption(corrupt, message: str) -> None:
     corrupt(pool)
     with pytest.raises(AssertionError, match=message):
         pool.check_integrity()
+
+
+def test_watermark_counts_blocks_held_by_sequences_not_cached_ones() -> None:
+    pool = BlockPool(num_blocks=4, block_size=2)
+    a, b = pool.allocate(), pool.allocate()  # two private blocks in use
+    for block_id in (a, b):  # the tree takes them over, then the sequence lets go
+        pool.incref(block_id)
+        pool.set_tree_owned(block_id, True)
+        pool.decref(block_id)
+    assert pool.num_blocks_in_use == 0
+    assert pool.usage().num_cached_blocks == 2
+    pool.allocate()
+    assert pool.usage().usage_watermark == 2 / 4  # the peak was the first two
+    pool.incref(a)  # a request reuses cached block a: in use again
+    pool.incref(b)
+    assert pool.num_blocks_in_use == 3
+    assert pool.usage().usage_watermark == 3 / 4
+    pool.check_integrity()
