@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.protocol import EngineRequest, FinishReason
 from engine.sampling_params import ParamError, SamplingParams
+from tests.oracle import hf_greedy
 
 VOCAB = 256
 MAX_LEN = 256
@@ -42,20 +43,6 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
     return LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """The oracle: HF generate, greedy, never stopping early."""
-    with torch.inference_mode():
-        out = hf_model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def make_engine(model_dir: str, **overrides) -> LLMEngine:

@@ -13,6 +13,7 @@ from engine.batch import BlockCopy, SampleSpec, ScheduledSeq, SchedulerOutput
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, kv_bytes_per_token, prepare_inputs
 from engine.sampling_params import SamplingParams
+from tests import oracle
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -27,16 +28,7 @@ def make_runner(model_dir, **overrides) -> ModelRunner:
 
 def hf_greedy(model_dir, prompt: list[int], max_new_tokens: int) -> list[int]:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
+    return oracle.hf_greedy(hf, prompt, max_new_tokens)
 
 
 def prompt(length: int, seed: int) -> list[int]:

@@ -11,28 +11,11 @@ from engine.llm_engine import LLMEngine
 from engine.loader import resolve_model_dir
 from engine.protocol import EngineRequest
 from engine.sampling_params import SamplingParams
+from tests.oracle import QUESTIONS, chat_prompt_ids, hf_greedy
 
 pytestmark = pytest.mark.integration
 
 NEW_TOKENS = 12
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in one sentence.",
-    "List three prime numbers.",
-    "Who wrote Hamlet?",
-    "Translate 'good morning' into Spanish.",
-    "What is 12 times 12?",
-    "Give me a synonym for happy.",
-    "Describe a cat in five words.",
-    "Why is the sky blue? Answer briefly, please, in plain words for a child of six.",
-    "Name a planet.",
-    "What does CPU stand for?",
-    "Suggest a name for a bakery.",
-    "How many legs does a spider have?",
-    "What colour do you get by mixing blue and yellow?",
-    "Tell me a fun fact about octopuses, something most people do not know about them.",
-]
 
 
 @pytest.fixture(scope="module")
@@ -43,32 +26,13 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def prompts(model_dir) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return [chat_ids(tokenizer, q) for q in QUESTIONS]
-
-
-def chat_ids(tokenizer, question: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
-    )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return [chat_prompt_ids(tokenizer, q) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")
 def hf_outputs(model_dir, prompts) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return [hf_greedy(model, prompt, NEW_TOKENS) for prompt in prompts]
 
 
 @pytest.fixture(scope="module")

@@ -36,25 +36,8 @@ from engine.loader import resolve_model_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.protocol import EngineRequest, TokenLogprob  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from tests.oracle import QUESTIONS, chat_prompt_ids  # noqa: E402
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in one sentence.",
-    "List three prime numbers.",
-    "Who wrote Hamlet?",
-    "Translate 'good morning' into Spanish.",
-    "What is 12 times 12?",
-    "Give me a synonym for happy.",
-    "Describe a cat in five words.",
-    "Why is the sky blue? Answer briefly, in plain words for a child.",
-    "Name a planet.",
-    "What does CPU stand for?",
-    "Suggest a name for a bakery.",
-    "How many legs does a spider have?",
-    "What colour do you get by mixing blue and yellow?",
-    "Tell me a fun fact about octopuses.",
-]
 MAX_NUM_SEQS = 16  # captured sizes 1, 2, 4, 8, 16
 HF_TOKENS = 16
 HF_LOGIT_TIE = 0.5  # bf16 logits near 20 are spaced 0.125 apart
@@ -76,13 +59,7 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def prompts(model_dir) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    chats = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
-        )
-        for q in QUESTIONS
-    ]
-    return [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
+    return [chat_prompt_ids(tokenizer, q) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,50 @@
+"""The independent reference for model outputs: HF transformers `generate` on the same weights."""
+
+from __future__ import annotations
+
+import torch
+
+# Chat questions for the SmolLM2 integration tests (CPU and GPU).
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+    "Who wrote Hamlet?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 12?",
+    "Give me a synonym for happy.",
+    "Describe a cat in five words.",
+    "Why is the sky blue? Answer briefly, please, in plain words for a child of six.",
+    "Name a planet.",
+    "What does CPU stand for?",
+    "Suggest a name for a bakery.",
+    "How many legs does a spider have?",
+    "What colour do you get by mixing blue and yellow?",
+    "Tell me a fun fact about octopuses, something most people do not know about them.",
+]
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """HF generate, greedy, never stopping early (EOS ignored): the generated token ids."""
+    device = hf_model.device
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            **generate_kwargs,
+        )
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    return sequences[0, len(prompt) :].tolist()
+
+
+def chat_prompt_ids(tokenizer, question: str) -> list[int]:
+    """The chat-templated prompt of one user question, as HF's tokenizer builds it."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
