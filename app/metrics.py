@@ -40,10 +40,14 @@ _ENGINE_COUNTERS = (
      "prefix_cache_queries"),
     ("kvshare_prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("kvshare_cache_audits", "Shadow recomputations that checked cached KV.", "num_audits"),
-    ("kvshare_cache_audits_dropped", "Audits skipped because the audit queue was full.",
+    ("kvshare_cache_audits_dropped", "Sampled audits dropped: queue full or engine saturated.",
      "num_audits_dropped"),
-    ("kvshare_cache_quarantined_blocks", "KV blocks quarantined after a failed audit.",
+    ("kvshare_cache_quarantined_blocks",
+     "KV blocks taken out of the prefix cache after a failed audit or a write violation.",
      "num_quarantined_blocks"),
+    ("kvshare_cache_write_violations",
+     "Slot mappings that targeted a shared or cached KV block (each failed its request).",
+     "num_write_violations"),
     ("kvshare_kv_cow_copies", "Copy-on-write copies of shared KV blocks.", "num_cow_copies"),
     ("kvshare_kv_evictions", "KV blocks evicted from the prefix cache.", "num_evictions"),
     ("kvshare_preemptions", "Sequences preempted to free KV blocks.", "num_preemptions"),
@@ -111,7 +115,8 @@ class ServerMetrics:
         )
         self.audit_max_abs_diff = histogram(
             "kvshare_cache_audit_max_abs_diff",
-            "Largest |cached - recomputed| logit difference per cache audit.",
+            "Largest |cached - recomputed| difference (reused K/V or last-prompt logits) "
+            "per cache audit.",
             _DIFF_BUCKETS,
         )
 

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import APIError, error_response, install_error_handlers
 from app.metrics import ServerMetrics
-from app.routes import chat, completions, health, metrics, models
+from app.routes import chat, completions, debug, health, metrics, models
 from app.routes.deps import ServerState
 from app.serving import RequestRecord
 from app.settings import Settings
@@ -40,6 +40,7 @@ access_logger = logging.getLogger("kvshare.access")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _GENERATION_PREFIX = "/v1/"
+_KEYED_PREFIXES = (_GENERATION_PREFIX, "/debug/")  # routes that need an API key, when set
 
 
 def create_app(engine_client: EngineClient, settings: Settings) -> FastAPI:
@@ -53,7 +54,7 @@ def create_app(engine_client: EngineClient, settings: Settings) -> FastAPI:
     )
     app.state.kvshare = state
     install_error_handlers(app)
-    for module in (chat, completions, models, health, metrics):
+    for module in (chat, completions, models, health, metrics, debug):
         app.include_router(module.router)
     return app
 
@@ -153,7 +154,7 @@ class RequestContextMiddleware:
 
 
 class ApiKeyMiddleware:
-    """401 for /v1/ requests without a valid `Authorization: Bearer <key>`."""
+    """401 for /v1/ and /debug/ requests without a valid `Authorization: Bearer <key>`."""
 
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
         self.app = app
@@ -170,7 +171,7 @@ class ApiKeyMiddleware:
         return self.api_keys[matches.index(True)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(_GENERATION_PREFIX):
+        if scope["type"] != "http" or not scope["path"].startswith(_KEYED_PREFIXES):
             await self.app(scope, receive, send)
             return
         key = self._matching_key(scope)

@@ -67,6 +67,11 @@ class Settings(BaseModel):
 SERVER_KEYS = tuple(ServerSettings.model_fields)
 ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 _LIST_KEYS = frozenset({"api_keys", "cors_allow_origins"})
+# Switches: `--enable-fault-injection` alone means true (a value is still accepted).
+_BOOL_KEYS = frozenset(
+    [key for key, info in ServerSettings.model_fields.items() if info.annotation is bool]
+    + [f.name for f in dataclasses.fields(EngineConfig) if f.type in (bool, "bool")]
+)
 assert not set(SERVER_KEYS) & set(ENGINE_KEYS), "flat env/CLI key names must be unique"
 
 
@@ -151,13 +156,19 @@ def _describe(error: ValidationError) -> str:
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One --flag per settings key (e.g. --block-size); values default to 'not given'."""
+    """One --flag per settings key (e.g. --block-size); values default to 'not given'.
+    A boolean key's flag given without a value means true (--enable-fault-injection)."""
     for section, keys in (("server", SERVER_KEYS), ("engine", ENGINE_KEYS)):
         group = parser.add_argument_group(
             f"{section} settings (override --config and KVSHARE_*; see config/default.yaml)"
         )
         for key in keys:
             flag = "--" + key.replace("_", "-")
+            if key in _BOOL_KEYS:
+                group.add_argument(
+                    flag, dest=key, default=None, metavar="BOOL", nargs="?", const="true"
+                )
+                continue
             metavar = "A,B" if key in _LIST_KEYS else "VALUE"
             group.add_argument(flag, dest=key, default=None, metavar=metavar)
     parser.add_argument(

@@ -4,7 +4,8 @@ asyncio queues carry the deltas back to the event loop.
 Thread contract: only the engine thread touches the LLMEngine (add, abort, step). The event
 loop talks to it through a command queue, and receives RequestOutputs through per-request
 asyncio queues fed with loop.call_soon_threadsafe. Commands are applied between steps, so an
-abort takes effect within one step.
+abort takes effect within one step; so is a fault drill (inject_fault), whose report comes
+back through a future.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, validate_request
-from engine.protocol import EngineRequest, EngineStats, ModelInfo, RequestOutput
+from engine.protocol import EngineRequest, EngineStats, FaultReport, ModelInfo, RequestOutput
 from engine.sampling_params import ParamError
 
 logger = logging.getLogger(__name__)
@@ -35,8 +37,19 @@ class _Abort:
     choice_index: int | None
 
 
+@dataclass
+class _InjectFault:
+    kind: str
+    block_id: int | None
+    other_block_id: int | None
+    result: Future[FaultReport] = field(default_factory=Future)
+
+
 class _Stop:
     pass
+
+
+_Command = _Add | _Abort | _InjectFault | _Stop
 
 
 class AsyncEngine:
@@ -48,7 +61,7 @@ class AsyncEngine:
         self.config = config
         self._engine_factory = engine_factory
         self._engine: LLMEngine | None = None
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -115,6 +128,19 @@ class AsyncEngine:
     async def abort(self, request_id: str, choice_index: int | None = None) -> None:
         self._commands.put(_Abort(request_id, choice_index))
 
+    async def inject_fault(
+        self, kind: str, block_id: int | None = None, other_block_id: int | None = None
+    ) -> FaultReport:
+        """Fault drill, applied by the engine thread between two steps (LLMEngine.inject_fault:
+        PermissionError when disabled, ValueError for a bad kind or target)."""
+        if not self.config.enable_fault_injection:
+            raise PermissionError("fault injection is disabled (--enable-fault-injection)")
+        if not self.is_ready:
+            raise RuntimeError("the engine is not running")
+        command = _InjectFault(kind, block_id, other_block_id)
+        self._commands.put(command)
+        return await asyncio.wrap_future(command.result)
+
     # -- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -153,6 +179,8 @@ class AsyncEngine:
                 return False
             if isinstance(command, _Add):
                 self._add(engine, command.request)
+            elif isinstance(command, _InjectFault):
+                self._inject_fault(engine, command)
             else:
                 self._abort(engine, command)
             try:
@@ -166,6 +194,15 @@ class AsyncEngine:
         except ValueError:  # one choice of a request that has not forked yet: abort it all
             outputs = engine.abort_request(command.request_id, None)
         self._deliver(outputs)
+
+    @staticmethod
+    def _inject_fault(engine: LLMEngine, command: _InjectFault) -> None:
+        try:
+            report = engine.inject_fault(command.kind, command.block_id, command.other_block_id)
+        except Exception as exc:  # refused or bad target: the caller reads it
+            command.result.set_exception(exc)
+        else:
+            command.result.set_result(report)
 
     def _add(self, engine: LLMEngine, request: EngineRequest) -> None:
         try:

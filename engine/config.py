@@ -34,8 +34,8 @@ class EngineConfig:
     audit_max_pending: int = 4  # audits queued at once; more are dropped (counted)
     # Corruption threshold on max|cached - recomputed| / max(1, max|recomputed|), per dtype.
     audit_tolerance_float32: float = 1e-3
-    audit_tolerance_bfloat16: float = 5e-2
-    audit_tolerance_float16: float = 5e-2
+    audit_tolerance_bfloat16: float = 0.25
+    audit_tolerance_float16: float = 0.1
     enable_fault_injection: bool = False  # drills only: corrupt / mis-map cached blocks
 
     def __post_init__(self) -> None:

@@ -257,16 +257,20 @@ class KVCacheManager:
         self._held.setdefault(holder, []).extend(block_ids)
         return True
 
-    def allocate_held_blocks(self, holder: str, num_tokens: int) -> list[int] | None:
+    def allocate_held_blocks(
+        self, holder: str, num_tokens: int, num_spare_blocks: int = 0
+    ) -> list[int] | None:
         """Fresh private blocks for num_tokens tokens, held by `holder` (never cached: the tree
         only takes blocks from insert_prefix). Evicts cached blocks if needed; None (nothing
-        changed) when even that leaves no room."""
+        changed) unless num_spare_blocks free or evictable blocks would remain besides."""
         num_blocks = self.num_blocks_for(num_tokens)
-        if not self._make_room(num_blocks):
+        if self._num_available_blocks(num_blocks + num_spare_blocks) < 0:
             return None
+        self._make_room(num_blocks)
         block_ids = [self.pool.allocate() for _ in range(num_blocks)]
         for index, block_id in enumerate(block_ids):
-            self.pool.set_num_tokens(block_id, min(self.block_size, num_tokens - index * self.block_size))
+            num_filled = min(self.block_size, num_tokens - index * self.block_size)
+            self.pool.set_num_tokens(block_id, num_filled)
         self._held.setdefault(holder, []).extend(block_ids)
         return block_ids
 
@@ -278,14 +282,19 @@ class KVCacheManager:
     def quarantine(self, block_ids: list[int]) -> list[int]:
         """Take blocks found wrong out of the prefix tree, with everything cached after them
         (computed from them), so that no new request can match them. Returns the blocks newly
-        quarantined; sequences holding them go on but never insert them (module docstring)."""
+        taken out (counted in num_quarantined_blocks); those still referenced stay marked:
+        sequences holding them go on but never insert them (see the module docstring)."""
         newly: list[int] = []
         for block_id in block_ids:
+            if block_id in self._quarantined or block_id in newly:
+                continue
             dropped = self.prefix_cache.invalidate(block_id) if self.prefix_cache else []
+            if not dropped and self.pool.refcount(block_id) == 0:
+                continue  # neither cached nor held: nothing left to keep out
             for dropped_id in dict.fromkeys([block_id, *dropped]):
-                if dropped_id not in self._quarantined and self.pool.refcount(dropped_id) > 0:
+                newly.append(dropped_id)
+                if self.pool.refcount(dropped_id) > 0:  # someone still reads it
                     self._quarantined.add(dropped_id)
-                    newly.append(dropped_id)
         self.num_quarantined_blocks += len(newly)
         return newly
 

@@ -8,7 +8,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.batch import ModelRunnerOutput
+from engine.auditor import Auditor
+from engine.batch import ModelRunnerOutput, SchedulerOutput
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -16,6 +17,7 @@ from engine.model_runner import ModelRunner
 from engine.protocol import (
     EngineRequest,
     EngineStats,
+    FaultReport,
     FinishReason,
     ModelInfo,
     RequestOutput,
@@ -63,8 +65,12 @@ class GenerationResult:
 class LLMEngine:
     """Owns the model runner, the KV cache manager and the scheduler; one step at a time.
 
-    Not thread-safe: one thread drives add_request/abort_request/step. stats() may be read
-    from another thread (it copies plain numbers).
+    Not thread-safe: one thread drives add_request/abort_request/step/inject_fault. stats()
+    may be read from another thread (it copies plain numbers).
+
+    The cache auditor (engine/auditor.py) runs inside step(): after the model step, with the
+    token budget the step left. has_unfinished_requests() stays True while audits are queued,
+    so a driver that steps until it is False also finishes them.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -73,6 +79,7 @@ class LLMEngine:
         self.model_info: ModelInfo = self.runner.model_info
         self.kv_cache_manager = self._build_kv_cache_manager()
         self.scheduler = self._build_scheduler()
+        self.auditor = Auditor(config, self.runner, self.kv_cache_manager, self.scheduler.get_seq)
         self._recent_steps: deque[StepSample] = deque(maxlen=_MAX_RECENT_STEPS)
         self._stats_lock = threading.Lock()
         self._num_leaked_blocks = 0
@@ -90,6 +97,7 @@ class LLMEngine:
             eos_token_ids=self.model_info.eos_token_ids,
             weights_version=self.model_info.weights_version,
             scheduling_policy=self.config.scheduling_policy,
+            record_cache_hits=self.config.audit_sample_rate > 0,
         )
 
     # -- requests -----------------------------------------------------------------------
@@ -104,7 +112,8 @@ class LLMEngine:
         return [output] if output is not None else []
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests (or cache audits) are still in progress."""
+        return self.scheduler.has_unfinished_requests() or self.auditor.num_pending > 0
 
     # -- stepping -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -115,10 +124,13 @@ class LLMEngine:
         """
         started = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        self.auditor.start(self.scheduler.take_cache_hits())  # before execute: logits kept
         if sched_out.is_empty:
             self._check_leaks_when_idle()
             # Requests the scheduler finished without running (e.g. never fit) still report.
-            return self.scheduler.update_from_output(sched_out, ModelRunnerOutput())
+            outputs = self.scheduler.update_from_output(sched_out, ModelRunnerOutput())
+            self._run_audits(sched_out)
+            return outputs
         try:
             runner_out = self.runner.execute(sched_out)
         except Exception as exc:  # an engine fault: fail what it touched, keep serving
@@ -126,6 +138,7 @@ class LLMEngine:
             message = f"engine fault while running the model: {type(exc).__name__}: {exc}"
             return self.scheduler.fail_seqs([s.seq_id for s in sched_out.seqs], message)
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        self._run_audits(sched_out)
         sample = StepSample(
             duration_s=time.perf_counter() - started,
             num_seqs=len(sched_out.seqs),
@@ -134,6 +147,34 @@ class LLMEngine:
         with self._stats_lock:
             self._recent_steps.append(sample)
         return outputs
+
+    def _run_audits(self, sched_out: SchedulerOutput) -> None:
+        """Audit work in the budget this step left; an audit failure never fails requests."""
+        if not self.auditor.num_pending:
+            return
+        num_leftover = self.config.max_num_batched_tokens - sched_out.num_batched_tokens
+        try:
+            self.auditor.run(num_leftover, num_spare_blocks=self.scheduler.num_running)
+        except Exception:
+            logger.exception("prefix-cache audit failed; dropping the queued audits")
+            self.auditor.drop_all()
+
+    def inject_fault(
+        self, kind: str, block_id: int | None = None, other_block_id: int | None = None
+    ) -> FaultReport:
+        """Fault drill (between steps): corrupt_block | wrong_block, see engine/auditor.py.
+
+        Raises PermissionError unless config.enable_fault_injection, ValueError for an
+        unknown kind or a target that is not cached.
+        """
+        if not self.config.enable_fault_injection:
+            raise PermissionError(
+                "fault injection is disabled; start the engine with enable_fault_injection "
+                "(kvshare serve --enable-fault-injection)"
+            )
+        report = self.auditor.inject_fault(kind, block_id, other_block_id)
+        logger.warning("fault injected: %s", report.detail)
+        return report
 
     def _check_leaks_when_idle(self) -> None:
         if not self.scheduler.has_unfinished_requests():
@@ -172,6 +213,12 @@ class LLMEngine:
         stats = self.scheduler.stats()
         stats.num_leaked_blocks = self._num_leaked_blocks
         stats.bytes_per_block = self.runner.bytes_per_block
+        audits = self.auditor.counters
+        stats.num_audits = audits.num_audits
+        stats.num_audit_corruptions = audits.num_corruptions
+        stats.num_audit_drifts = audits.num_drifts
+        stats.num_audits_dropped = audits.num_dropped
+        stats.recent_audit_max_abs_diffs = self.auditor.drain_recent_max_abs_diffs()
         with self._stats_lock:
             stats.recent_steps = list(self._recent_steps)
             self._recent_steps.clear()

@@ -129,6 +129,11 @@ class ModelRunner:
     bytes_per_block, num_kv_blocks, kv_caches (per layer (k, v), each
     [num_kv_blocks, block_size, Hkv, D]), attn_backend, sampler, model_info, graph_runner
     (CUDA graphs for decode-only steps; None on the CPU, with enforce_eager or torch attention).
+
+    For the cache auditor: capture_prompt_logits(seq_id) keeps the logits row a sequence gets
+    at its last prompt token (its first sample) for take_prompt_logits(); run_audit() runs a
+    shadow forward into private blocks; corrupt_block() overwrites a block (fault drills).
+    kv_caches are never reallocated after start-up: CUDA graphs hold their pointers.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -140,6 +145,8 @@ class ModelRunner:
         self._load_model()
         self.attn_backend = get_attention_backend(config.attention_backend, self.device)
         self.sampler = Sampler(self.model_info.eos_token_ids)
+        self._capture_seq_ids: set[int] = set()  # the auditor's (the warm-up samples too)
+        self._prompt_logits: dict[int, torch.Tensor] = {}
         self.block_size = config.block_size
         self.bytes_per_block = self.block_size * kv_bytes_per_token(self.hf_config, self.dtype)
         self.graph_runner: CudaGraphRunner | None = None  # the sizing warm-up runs eagerly
@@ -173,8 +180,66 @@ class ModelRunner:
         if not specs:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden)  # [S, V]
+        if self._capture_seq_ids:
+            self._capture_logits(logits, seq_ids, specs)
         sampled = self.sampler(logits, specs)
         return ModelRunnerOutput(dict(zip(seq_ids, sampled, strict=True)))
+
+    # -- cache audit --------------------------------------------------------------------------
+    def capture_prompt_logits(self, seq_id: int) -> None:
+        """Keep the logits row seq_id gets when it samples its first output token."""
+        self._capture_seq_ids.add(seq_id)
+
+    def take_prompt_logits(self, seq_id: int) -> torch.Tensor | None:
+        """The captured row ([V] float32), or None if not captured yet; stops the capture
+        once it has been returned."""
+        logits = self._prompt_logits.pop(seq_id, None)
+        if logits is not None:
+            self._capture_seq_ids.discard(seq_id)
+        return logits
+
+    def stop_capture(self, seq_id: int) -> None:
+        self._capture_seq_ids.discard(seq_id)
+        self._prompt_logits.pop(seq_id, None)
+
+    def _capture_logits(
+        self, logits: torch.Tensor, seq_ids: list[int], specs: list[SampleSpec]
+    ) -> None:
+        """logits: [S, V]; a copy of each captured row, before the sampler sees it."""
+        for row, (seq_id, spec) in enumerate(zip(seq_ids, specs, strict=True)):
+            if seq_id in self._capture_seq_ids and spec.output_index == 0:
+                self._prompt_logits[seq_id] = logits[row].float().clone()
+
+    def run_audit(
+        self, sched_out: SchedulerOutput, logits_seq_ids: set[int]
+    ) -> dict[int, torch.Tensor]:
+        """Run prefill chunks into the auditor's private blocks (eagerly, never a graph, no
+        sampling); return the last-token logits row ([V] float32) of each chunk whose
+        seq_id is in logits_seq_ids."""
+        self._check_seqs(sched_out.seqs)
+        inputs = prepare_inputs(sched_out, self.device)
+        ends = inputs.meta.query_start_loc_host[1:]
+        rows = [end - 1 for end in ends]
+        wanted = [i for i, seq in enumerate(sched_out.seqs) if seq.seq_id in logits_seq_ids]
+        with torch.inference_mode():
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.attn_backend
+            )  # [T, E]
+            if not wanted:
+                return {}
+            logits = self.model.compute_logits(hidden[[rows[i] for i in wanted]])  # [W, V]
+            return {sched_out.seqs[i].seq_id: logits[j].float() for j, i in enumerate(wanted)}
+
+    def corrupt_block(self, block_id: int, generator: torch.Generator) -> None:
+        """Fault drill: overwrite block_id's K and V in every layer, in place, with noise of
+        the block's own magnitude (far beyond any audit tolerance)."""
+        with torch.inference_mode():
+            for k_cache, v_cache in self.kv_caches:
+                for cache in (k_cache, v_cache):
+                    block = cache[block_id]  # [block_size, Hkv, D], a view
+                    scale = max(1.0, float(block.abs().max()))
+                    noise = torch.randn(block.shape, generator=generator, dtype=torch.float32)
+                    block.copy_(noise.mul_(scale).to(block.device, block.dtype))
 
     # -- CUDA graphs (engine/cuda_graph_runner.py): decode-only steps replay a captured graph --
     def _execute_graph(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:

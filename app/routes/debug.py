@@ -1,0 +1,60 @@
+"""POST /debug/faults: fault drills for the prefix-cache auditor (off by default).
+
+Only a server started with --enable-fault-injection (engine key enable_fault_injection) acts
+on it; any other answers 403 with an OpenAI error body. With API keys configured the route
+needs one, like /v1/.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.errors import SERVER_ERROR, APIError
+from app.routes.deps import State
+
+router = APIRouter()
+logger = logging.getLogger(__name__)
+
+
+class FaultRequest(BaseModel):
+    """corrupt_block: overwrite a cached block's K/V with noise. wrong_block: make the prefix
+    cache map a block's tokens to another cached block. Targets default to the first block
+    of the most recently used cached prefix (and, for wrong_block, a block off it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["corrupt_block", "wrong_block"]
+    block_id: int | None = Field(default=None, ge=0)
+    other_block_id: int | None = Field(default=None, ge=0)
+
+
+class FaultResponse(BaseModel):
+    kind: str
+    block_ids: list[int]
+    detail: str
+
+
+def require_fault_injection(state: State) -> None:
+    """Runs before the body is validated: a disabled server says 403 to any request."""
+    if not state.settings.engine.enable_fault_injection:
+        message = "Fault injection is disabled; start the server with --enable-fault-injection."
+        raise APIError(403, message, code="fault_injection_disabled")
+
+
+@router.post("/debug/faults", dependencies=[Depends(require_fault_injection)])
+async def inject_fault(body: FaultRequest, state: State) -> FaultResponse:
+    state.ready_serving()  # 503 while loading or draining
+    try:
+        report = await state.engine.inject_fault(body.kind, body.block_id, body.other_block_id)
+    except PermissionError as e:
+        raise APIError(403, str(e), code="fault_injection_disabled") from e
+    except ValueError as e:
+        raise APIError(409, str(e), code="no_fault_target") from e
+    except RuntimeError as e:
+        raise APIError(503, str(e), type=SERVER_ERROR, code="not_ready") from e
+    logger.warning("fault drill: %s", report.detail)
+    return FaultResponse(kind=report.kind, block_ids=report.block_ids, detail=report.detail)
