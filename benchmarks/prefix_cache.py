@@ -1,14 +1,17 @@
 """Prefix cache on vs off: the serving benchmark against two kvshare servers, in one run.
 
-It starts `kvshare serve` with the prefix cache on, warms it up, runs each workload of
-benchmarks/serving.py against it, stops it, and does the same with `--no-prefix-cache`. One
-server runs at a time, so both see the same machine. The issue's goals:
+It starts `kvshare serve` twice, with the prefix cache on and with `--no-prefix-cache`, warms
+both up, and runs each workload of benchmarks/serving.py on the first, then on the second: one
+server works at a time, and each pair is measured back to back. The issue's goals:
 
   shared-prefix: TTFT p50 with the cache <= 0.5x without; output throughput >= 1.25x
   multi-turn:    >= 70% of prompt tokens served from the cache
 
     python benchmarks/prefix_cache.py --num-requests 64 --concurrency 8 --max-tokens 128 \
-        --out benchmarks/results/prefix_cache.json
+        --server-args "--num-threads 1" --out benchmarks/results/prefix_cache.json
+
+(`--num-threads 1` keeps a shared CPU machine's other jobs from stalling the servers' OpenMP
+threads; see benchmarks/README.md.)
 
 Prints a Markdown table and writes every summary and request record as JSON. Exit status 0
 when every request completed (goals missed are reported, not an error), 1 otherwise.
@@ -29,7 +32,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import (  # noqa: E402 (after the path set-up)
+from benchmarks.serving import (
     BenchmarkConfig,
     RequestResult,
     Summary,
@@ -37,7 +40,7 @@ from benchmarks.serving import (  # noqa: E402 (after the path set-up)
     run_benchmark,
     summarize,
 )
-from tests.integration.conftest import running_server  # noqa: E402
+from tests.integration.conftest import running_server
 
 MODES = {"on": (), "off": ("--no-prefix-cache",)}  # server flags per cache mode
 WORKLOADS = ("shared-prefix", "multi-turn")
@@ -79,17 +82,33 @@ def warm_up(base_url: str) -> None:
     response.raise_for_status()
 
 
-def measure(mode: str, server_flags: list[str], configs: list[BenchmarkConfig]) -> list[Run]:
-    """Starts one server (cache `mode`), runs every workload on it in turn, stops it."""
-    runs = []
-    with running_server(*server_flags, *MODES[mode]) as base_url:
-        warm_up(base_url)
+def run_workload(mode: str, base_url: str, config: BenchmarkConfig) -> Run:
+    config = BenchmarkConfig(**{**asdict(config), "base_url": f"{base_url}/v1"})
+    print(f"cache {mode}: {config.workload} ...", file=sys.stderr, flush=True)
+    results, duration_s = asyncio.run(run_benchmark(config))
+    summary = summarize(results, config.workload, config.num_requests, duration_s)
+    run = Run(mode, config, summary, results)
+    print(f"  {_describe(run)}", file=sys.stderr, flush=True)
+    return run
+
+
+def measure(server_flags: list[str], configs: list[BenchmarkConfig]) -> dict[str, list[Run]]:
+    """Both servers up; each workload runs on the cache-on one, then on the cache-off one.
+
+    An idle server uses no CPU (its engine thread blocks), so the pair measured back to back
+    sees the same machine even when its load drifts over the run.
+    """
+    runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
+    with (
+        running_server(*server_flags, *MODES["on"]) as on_url,
+        running_server(*server_flags, *MODES["off"]) as off_url,
+    ):
+        urls = {"on": on_url, "off": off_url}
+        for url in urls.values():
+            warm_up(url)
         for config in configs:
-            config = BenchmarkConfig(**{**asdict(config), "base_url": f"{base_url}/v1"})
-            print(f"cache {mode}: {config.workload} ...", file=sys.stderr, flush=True)
-            results, duration_s = asyncio.run(run_benchmark(config))
-            summary = summarize(results, config.workload, config.num_requests, duration_s)
-            runs.append(Run(mode, config, summary, results))
+            for mode, url in urls.items():
+                runs[mode].append(run_workload(mode, url, config))
     return runs
 
 
@@ -159,14 +178,17 @@ def format_table(rows: list[Row], on: list[Run], off: list[Run]) -> str:
         cells = [row.workload, row.metric, row.on, row.off, row.ratio, row.goal or "-", met]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    for run in on + off:
-        s = run.summary
-        lines.append(
-            f"- cache {run.mode}, {s.workload}: {s.completed}/{s.num_requests} completed, "
-            f"{s.failed} failed, {s.unfinished} unfinished, {s.duration_s:.1f} s, "
-            f"{s.prompt_tokens} prompt / {s.cached_tokens} cached / {s.output_tokens} output tokens"
-        )
+    lines.extend(f"- {_describe(run)}" for run in on + off)
     return "\n".join(lines)
+
+
+def _describe(run: Run) -> str:
+    s = run.summary
+    return (
+        f"cache {run.mode}, {s.workload}: {s.completed}/{s.num_requests} completed, "
+        f"{s.failed} failed, {s.unfinished} unfinished, {s.duration_s:.1f} s, "
+        f"{s.prompt_tokens} prompt / {s.cached_tokens} cached / {s.output_tokens} output tokens"
+    )
 
 
 # ---------------------------------------------------------------- command line
@@ -210,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     server_flags = ["--config", args.config, *shlex.split(args.server_args)]
     started = time.perf_counter()
-    on = measure("on", server_flags, configs)
-    off = measure("off", server_flags, configs)
+    runs = measure(server_flags, configs)
+    on, off = runs["on"], runs["off"]
     rows = [
         row
         for run_on, run_off in zip(on, off, strict=True)

@@ -83,7 +83,10 @@ def tokenizer():
 def servers() -> Iterator[tuple[Server, Server]]:
     """(cache on, cache off), both on SmolLM2 with config/cpu.yaml."""
     with running_server() as on_url, running_server("--no-prefix-cache") as off_url:
-        yield Server(on_url), Server(off_url)
+        on, off = Server(on_url), Server(off_url)
+        yield on, off
+        on.http.close()
+        off.http.close()
 
 
 def token_ids(tokenizer, prompt: Prompt) -> list[int]:
