@@ -79,3 +79,23 @@ def server_url() -> Iterator[str]:
     """One shared server with the prefix cache on (the default config)."""
     with running_server() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    """The embedded SmolLM2 as a safetensors directory (converted once)."""
+    from engine.config import EngineConfig
+    from engine.loader import resolve_model_dir
+
+    return str(resolve_model_dir(EngineConfig()))
+
+
+@pytest.fixture(scope="session")
+def prompts(model_dir) -> list[list[int]]:
+    """tests.oracle.QUESTIONS as chat-templated prompt ids (HF's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from tests.oracle import QUESTIONS, chat_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [chat_prompt_ids(tokenizer, q) for q in QUESTIONS]

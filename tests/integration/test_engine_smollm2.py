@@ -4,29 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.loader import resolve_model_dir
 from engine.protocol import EngineRequest
 from engine.sampling_params import SamplingParams
-from tests.oracle import QUESTIONS, chat_prompt_ids, hf_greedy
+from tests.oracle import hf_greedy
 
 pytestmark = pytest.mark.integration
 
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(resolve_model_dir(EngineConfig()))
-
-
-@pytest.fixture(scope="module")
-def prompts(model_dir) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return [chat_prompt_ids(tokenizer, q) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")

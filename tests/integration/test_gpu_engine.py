@@ -28,15 +28,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: kernels would not be compiled", allow_module_level=True)
 pytest.importorskip("triton")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.loader import resolve_model_dir  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.protocol import EngineRequest, TokenLogprob  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from tests.oracle import QUESTIONS, chat_prompt_ids  # noqa: E402
 
 MAX_NUM_SEQS = 16  # captured sizes 1, 2, 4, 8, 16
 HF_TOKENS = 16
@@ -49,17 +47,6 @@ def engine_config(**overrides) -> EngineConfig:
     # no prefix cache: both engines must compute every prompt the same way, from scratch
     settings = {"device": "cuda", "max_num_seqs": MAX_NUM_SEQS, "num_kv_blocks": 1024}
     return EngineConfig(**{**settings, "enable_prefix_cache": False, **overrides})
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(resolve_model_dir(EngineConfig()))
-
-
-@pytest.fixture(scope="module")
-def prompts(model_dir) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return [chat_prompt_ids(tokenizer, q) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")
