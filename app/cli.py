@@ -23,32 +23,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser(
+    _add_command(
+        commands,
         "serve",
-        help="serve the OpenAI-compatible HTTP API",
+        "serve the OpenAI-compatible HTTP API",
+        add_arguments=None,
+        handler=_serve,
+    )
+    _add_command(
+        commands,
+        "generate",
+        "generate text offline (no HTTP) with the engine settings",
+        add_arguments=offline.add_generate_arguments,
+        handler=_offline(offline.run_generate),
+    )
+    _add_command(
+        commands,
+        "estimate",
+        "KV memory per token, per context and batch, for a model's config",
+        add_arguments=offline.add_estimate_arguments,
+        handler=_offline(offline.run_estimate),
+    )
+    return parser
+
+
+def _add_command(commands, name: str, help_text: str, add_arguments, handler) -> None:
+    """A subcommand that reads the settings (--config, KVSHARE_*, flags) like every other."""
+    command = commands.add_parser(
+        name,
+        help=help_text,
         description="Settings: built-in defaults < --config YAML < KVSHARE_* env < flags.",
     )
-    serve.add_argument("--config", metavar="YAML", help="settings file, e.g. config/cpu.yaml")
-    add_settings_flags(serve)
-    serve.set_defaults(handler=_serve)
-
-    generate = commands.add_parser(
-        "generate", help="generate text offline (no HTTP) with the engine settings"
-    )
-    generate.add_argument("--config", metavar="YAML", help="settings file, e.g. config/cpu.yaml")
-    offline.add_generate_arguments(generate)
-    add_settings_flags(generate)
-    generate.set_defaults(handler=_offline(offline.run_generate))
-
-    estimate = commands.add_parser(
-        "estimate", help="KV memory per token, per context and batch, for a model's config"
-    )
-    estimate.add_argument("--config", metavar="YAML", help="settings file, e.g. config/cpu.yaml")
-    offline.add_estimate_arguments(estimate)
-    add_settings_flags(estimate)
-    estimate.set_defaults(handler=_offline(offline.run_estimate))
-
-    return parser
+    command.add_argument("--config", metavar="YAML", help="settings file, e.g. config/cpu.yaml")
+    if add_arguments is not None:
+        add_arguments(command)
+    add_settings_flags(command)
+    command.set_defaults(handler=handler)
 
 
 def _load(args: argparse.Namespace, command: str):
