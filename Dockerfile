@@ -30,9 +30,15 @@ ENV TORCH_INDEX_URL=https://pypi.org/simple
 # The final stage inherits this command (it sets no ENTRYPOINT, which would reset it).
 CMD ["kvshare", "serve", "--config", "config/cuda.yaml", "--host", "0.0.0.0", "--port", "8000"]
 
-# ---- CPU base: the official slim Python image.
+# ---- CPU base: the official slim Python image, plus g++: the native CPU attention kernel is
+# compiled on first start for the host's own CPU (-march=native), then cached.
 FROM ${CPU_IMAGE} AS base-cpu
-RUN python -m venv /opt/venv
+# Debian's point releases of g++ change under a pin; the base image tag fixes them.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -m venv /opt/venv
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 CMD ["kvshare", "serve", "--config", "config/cpu.yaml", "--host", "0.0.0.0", "--port", "8000"]
 

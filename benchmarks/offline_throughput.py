@@ -7,6 +7,10 @@ Rows, measured in one run on the same machine:
   - HF generate, one prompt at a time (fp32), on a subset of the prompts
   - HF generate, padded static batches of 8 (fp32)
 
+Each row runs in a fresh Python process, one after another: no row inherits another's
+allocator state, thread pools or warm caches (kvshare tunes glibc malloc for its process;
+HF runs with the defaults a user gets).
+
 Usage: python benchmarks/offline_throughput.py [--num-prompts 64 --prompt-len 240
        --output-len 64 --concurrency 32 --hf-single-prompts 8 --threads 2 --out FILE.json]
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import time
@@ -140,26 +145,40 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = build_prompts(tokenizer, args.num_prompts, args.prompt_len)
 
+    def row(fn, *fn_args) -> dict:
+        return in_fresh_process(args.threads, fn, *fn_args)
+
     rows: dict[str, dict] = {}
     for dtype in ("float32", "bfloat16"):
-        rows[f"kvshare {dtype}, {args.concurrency} concurrent"] = run_engine(
-            model_dir, dtype, prompts, args.output_len, args.concurrency
+        rows[f"kvshare {dtype}, {args.concurrency} concurrent"] = row(
+            run_engine, model_dir, dtype, prompts, args.output_len, args.concurrency
         )
         print(rows, flush=True)
     for dtype in ("float32", "bfloat16"):
-        rows[f"kvshare {dtype}, 1 sequence"] = run_engine_single(
-            model_dir, dtype, prompts[0], args.output_len
+        rows[f"kvshare {dtype}, 1 sequence"] = row(
+            run_engine_single, model_dir, dtype, prompts[0], args.output_len
         )
     if not args.skip_hf:
-        rows["HF generate fp32, one at a time"] = run_hf(
-            model_dir, prompts[: args.hf_single_prompts], args.output_len, batch_size=1
+        rows["HF generate fp32, one at a time"] = row(
+            run_hf, model_dir, prompts[: args.hf_single_prompts], args.output_len, 1
         )
-        rows["HF generate fp32, static batches of 8"] = run_hf(
-            model_dir, prompts, args.output_len, batch_size=8
+        rows["HF generate fp32, static batches of 8"] = row(
+            run_hf, model_dir, prompts, args.output_len, 8
         )
     print_table(rows, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+
+
+def in_fresh_process(num_threads: int, fn, *fn_args) -> dict:
+    """fn(*fn_args) in a new interpreter (spawned, not forked) with num_threads torch threads."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_with_threads, (num_threads, fn, *fn_args))
+
+
+def _with_threads(num_threads: int, fn, *fn_args) -> dict:
+    torch.set_num_threads(num_threads)
+    return fn(*fn_args)
 
 
 def print_table(rows: dict[str, dict], args: argparse.Namespace) -> None:

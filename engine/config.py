@@ -23,7 +23,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_cache: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | longest-prefix-first
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     num_threads: int | None = None  # CPU: torch threads (None: torch's default)
     cache_dir: str | None = None  # None: $KVSHARE_CACHE_DIR or ~/.cache/kvshare
@@ -65,9 +65,9 @@ class EngineConfig:
             ),
             (self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda"),
             (
-                self.attention_backend in ("auto", "torch", "triton"),
+                self.attention_backend in ("auto", "torch", "cpu", "triton"),
                 "attention_backend",
-                "must be auto, torch or triton",
+                "must be auto, torch, cpu or triton",
             ),
             (
                 self.scheduling_policy in ("fcfs", "longest-prefix-first"),

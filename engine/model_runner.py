@@ -19,8 +19,9 @@ from engine.batch import (
     SchedulerOutput,
 )
 from engine.config import EngineConfig
+from engine.cpu_runtime import keep_temporaries_on_heap
 from engine.cuda_graph_runner import CudaGraphRunner, graphs_disabled_reason
-from engine.loader import load_model
+from engine.loader import kvshare_cache_dir, load_model
 from engine.models.llama import LlamaSpec
 from engine.protocol import ModelInfo
 from engine.sampler import Sampler
@@ -142,8 +143,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            keep_temporaries_on_heap()
         self._load_model()
-        self.attn_backend = get_attention_backend(config.attention_backend, self.device)
+        self.attn_backend = get_attention_backend(
+            config.attention_backend, self.device, kvshare_cache_dir(config) / "kernels"
+        )
         self.sampler = Sampler(self.model_info.eos_token_ids)
         self._capture_seq_ids: set[int] = set()  # the auditor's (the warm-up samples too)
         self._prompt_logits: dict[int, torch.Tensor] = {}
@@ -378,7 +383,7 @@ class ModelRunner:
         full_context_seqs = num_tokens // self.max_model_len
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s on %s); "
-            "%d sequences fit at full context (%d tokens)",
+            "%d sequences fit at full context (%d tokens); attention backend %s",
             self.num_kv_blocks,
             self.block_size,
             num_tokens,
@@ -387,6 +392,7 @@ class ModelRunner:
             self.device,
             full_context_seqs,
             self.max_model_len,
+            self.attn_backend.name,
         )
         if full_context_seqs < 1:
             logger.warning("the KV pool holds fewer tokens than one full-context sequence")

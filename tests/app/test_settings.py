@@ -45,7 +45,7 @@ def test_config_file_sets_every_key_with_a_comment_above(name: str) -> None:
 def test_cpu_and_cuda_files_pick_their_device() -> None:
     cpu = load_settings(CONFIG_DIR / "cpu.yaml", environ={}).to_engine_config()
     cuda = load_settings(CONFIG_DIR / "cuda.yaml", environ={}).to_engine_config()
-    assert (cpu.device, cpu.dtype, cpu.attention_backend) == ("cpu", "float32", "torch")
+    assert (cpu.device, cpu.dtype, cpu.attention_backend) == ("cpu", "float32", "auto")
     assert (cuda.device, cuda.dtype, cuda.attention_backend) == ("cuda", "bfloat16", "triton")
 
 

@@ -1,0 +1,248 @@
+// Paged decode attention for the CPU: one query token per sequence, K/V read in place from
+// the paged pool through each sequence's block table (no gather into a dense copy).
+//
+// Built on first use by engine/attention/cpu_native.py (g++ -O3 -march=native -fopenmp) and
+// called through ctypes with raw pointers to contiguous tensors.
+//
+// Shapes (the attention interface's axes):
+//   query [B, H, D], out [B, H, D]
+//   k_cache, v_cache [num_blocks, block_size, Hkv, D]
+//   block_tables [B, max_blocks] int32, seq_lens [B] int32
+// A task is one sequence (or, with few sequences, one of its KV heads). The G = H / Hkv query
+// heads that share a KV head are done together, so each K/V row is read once for all (GQA).
+// Math is fp32 whatever the storage type, in two passes: scores and their softmax, then the
+// weighted sum of V. Vectors are GCC vector extensions of 16 floats, which the compiler maps
+// to AVX-512 (or pairs of AVX2 registers); D must be a multiple of 16.
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vfloat __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t vbf16 __attribute__((vector_size(kLanes * 2)));
+using bf16 = uint16_t;
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vfloat load(const bf16* p) {
+  vbf16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  // bf16 is the top half of an fp32: widen and shift.
+  return reinterpret_cast<vfloat>(__builtin_convertvector(raw, vuint) << 16);
+}
+
+inline void store(vfloat v, float* p) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void store(vfloat v, bf16* p) {
+  // Round to nearest even, as torch does (NaN does not occur in attention outputs).
+  vuint bits = reinterpret_cast<vuint>(v);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  const vbf16 narrowed = __builtin_convertvector(bits >> 16, vbf16);
+  std::memcpy(p, &narrowed, sizeof(narrowed));
+}
+
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef float vfloat4 __attribute__((vector_size(16)));
+
+// Horizontal sum as a tree of halves (a loop of scalar adds would be one long dependency chain).
+inline float sum(vfloat v) {
+  const vfloat8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vfloat4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) +
+                     __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+  return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+}
+
+inline float max(vfloat v) {
+  float best = v[0];
+  for (int i = 1; i < kLanes; ++i) best = v[i] > best ? v[i] : best;
+  return best;
+}
+
+// exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+// (relative error < 2e-7), 2^n built in the exponent bits. Below -87 the result flushes to ~0.
+inline vfloat exp_nonpositive(vfloat x) {
+  x = x < -87.f ? splat(-87.f) : x;
+  const float kRound = 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vfloat n = (x * 1.44269504f + kRound) - kRound;
+  const vfloat r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  vfloat p = splat(1.3888889e-3f);
+  p = p * r + 8.3333338e-3f;
+  p = p * r + 4.1666668e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vint exponent = (__builtin_convertvector(n, vint) + 127) << 23;
+  return p * reinterpret_cast<vfloat>(exponent);
+}
+
+struct Shape {
+  int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+};
+
+// Per-thread scratch: scores [heads, L], L rounded up to whole vectors.
+struct Scratch {
+  std::vector<float> scores;
+};
+
+// One task: sequence `table`/`seq_len`, KV heads [kv_begin, kv_end) and their query heads.
+// Each context slot holds the K (V) rows of all KV heads side by side, so a block is read
+// front to back.
+template <typename T, int kVecs>  // kVecs = D / 16
+void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
+            int kv_begin, int kv_end, const Shape& s, float scale, Scratch& scratch, T* out) {
+  constexpr int kHeadDim = kVecs * kLanes;
+  const int group = s.num_heads / s.num_kv_heads;
+  const int num_heads = (kv_end - kv_begin) * group;
+  const int padded_len = (seq_len + kLanes - 1) / kLanes * kLanes;
+  const int64_t slot_stride = static_cast<int64_t>(s.num_kv_heads) * kHeadDim;
+  const int64_t block_stride = slot_stride * s.block_size;
+  const T* first_query = query + static_cast<int64_t>(kv_begin) * group * kHeadDim;
+  float* scores = scratch.scores.data();
+
+  // Pass 1: scores [heads, L] = scale * q . k.
+  for (int h = 0; h < num_heads; ++h) {
+    const int kv = kv_begin + h / group;
+    vfloat q[kVecs];
+    for (int i = 0; i < kVecs; ++i) q[i] = load(first_query + h * kHeadDim + i * kLanes) * scale;
+    float* row_scores = scores + static_cast<int64_t>(h) * padded_len;
+    for (int start = 0; start < seq_len; start += s.block_size) {
+      const T* k = k_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
+      const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
+      for (int t = start; t < end; ++t, k += slot_stride) {
+        vfloat dot = q[0] * load(k);
+        for (int i = 1; i < kVecs; ++i) dot += q[i] * load(k + i * kLanes);
+        row_scores[t] = sum(dot);
+      }
+    }
+  }
+  // Softmax of each head's scores, in place; the padding past seq_len gets weight 0.
+  for (int h = 0; h < num_heads; ++h) {
+    float* row_scores = scores + static_cast<int64_t>(h) * padded_len;
+    for (int t = seq_len; t < padded_len; ++t) row_scores[t] = -1e30f;
+    vfloat best = splat(-1e30f);
+    for (int t = 0; t < padded_len; t += kLanes) {
+      const vfloat v = load(row_scores + t);
+      best = v > best ? v : best;
+    }
+    const float max_score = max(best);
+    vfloat total = splat(0.f);
+    for (int t = 0; t < padded_len; t += kLanes) {
+      const vfloat e = exp_nonpositive(load(row_scores + t) - max_score);
+      store(e, row_scores + t);
+      total += e;
+    }
+    const float inv_total = 1.f / sum(total);
+    for (int t = 0; t < padded_len; t += kLanes) {
+      store(load(row_scores + t) * inv_total, row_scores + t);
+    }
+  }
+  // Pass 2: out [heads, D] = sum_t p[h, t] * v[t].
+  for (int h = 0; h < num_heads; ++h) {
+    const int kv = kv_begin + h / group;
+    const float* p = scores + static_cast<int64_t>(h) * padded_len;
+    vfloat acc[kVecs] = {};
+    for (int start = 0; start < seq_len; start += s.block_size) {
+      const T* v = v_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
+      const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
+      for (int t = start; t < end; ++t, v += slot_stride) {
+        for (int i = 0; i < kVecs; ++i) acc[i] += p[t] * load(v + i * kLanes);
+      }
+    }
+    T* dst = out + (static_cast<int64_t>(kv_begin) * group + h) * kHeadDim;
+    for (int i = 0; i < kVecs; ++i) store(acc[i], dst + i * kLanes);
+  }
+}
+
+template <typename T, int kVecs>
+void paged_decode(const T* query, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                  const int32_t* seq_lens, T* out, const Shape& s, float scale, int num_threads) {
+  int max_len = 0;
+  for (int b = 0; b < s.num_seqs; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+  // Whole sequences per task when there are enough to keep every thread busy; otherwise
+  // one KV head per task.
+  const int heads_per_task = s.num_seqs >= 4 * num_threads ? s.num_kv_heads : 1;
+  const int tasks_per_seq = s.num_kv_heads / heads_per_task;
+  const int num_tasks = s.num_seqs * tasks_per_seq;
+  const int max_heads = heads_per_task * (s.num_heads / s.num_kv_heads);
+  const int64_t padded_len = (max_len + kLanes - 1) / kLanes * kLanes;
+#pragma omp parallel num_threads(num_threads)
+  {
+    Scratch scratch;
+    scratch.scores.resize(max_heads * padded_len);
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < num_tasks; ++task) {
+      const int b = task / tasks_per_seq;
+      const int kv_begin = (task % tasks_per_seq) * heads_per_task;
+      const int64_t seq_offset = static_cast<int64_t>(b) * s.num_heads * s.head_dim;
+      attend<T, kVecs>(query + seq_offset, k_cache, v_cache, block_tables + b * s.max_blocks,
+                       seq_lens[b], kv_begin, kv_begin + heads_per_task, s, scale, scratch,
+                       out + seq_offset);
+    }
+  }
+}
+
+template <typename T>
+int dispatch_head_dim(const T* query, const T* k_cache, const T* v_cache,
+                      const int32_t* block_tables, const int32_t* seq_lens, T* out,
+                      const Shape& s, float scale, int num_threads) {
+  switch (s.head_dim) {
+    case 64:
+      paged_decode<T, 4>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
+                         num_threads);
+      return 0;
+    case 128:
+      paged_decode<T, 8>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
+                         num_threads);
+      return 0;
+    case 256:
+      paged_decode<T, 16>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
+                          num_threads);
+      return 0;
+    default:
+      return 2;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Head dims this build handles (the caller falls back to the torch path for others).
+int kvshare_supports_head_dim(int head_dim) {
+  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+}
+
+// dtype: 0 = float32, 1 = bfloat16. Returns 0 on success, 1 for an unknown dtype, 2 for an
+// unsupported head dim.
+int kvshare_paged_decode(int dtype, const void* query, const void* k_cache, const void* v_cache,
+                         const int32_t* block_tables, const int32_t* seq_lens, void* out,
+                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                         int block_size, int max_blocks, float scale, int num_threads) {
+  const Shape s{num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks};
+  if (dtype == 0) {
+    return dispatch_head_dim(static_cast<const float*>(query), static_cast<const float*>(k_cache),
+                             static_cast<const float*>(v_cache), block_tables, seq_lens,
+                             static_cast<float*>(out), s, scale, num_threads);
+  }
+  if (dtype == 1) {
+    return dispatch_head_dim(static_cast<const bf16*>(query), static_cast<const bf16*>(k_cache),
+                             static_cast<const bf16*>(v_cache), block_tables, seq_lens,
+                             static_cast<bf16*>(out), s, scale, num_threads);
+  }
+  return 1;
+}
+
+}  // extern "C"

@@ -1,0 +1,152 @@
+"""The CPU backend: the torch reference with decode attention in a native kernel.
+
+Decode attention on the torch path gathers every sequence's blocks into a dense copy, then
+runs SDPA under a padding mask: on this CPU that is most of a decode step's non-matmul
+time. `cpu_kernels.cpp` reads K/V in place through the block tables instead. It is compiled
+on first use with the system C++ compiler (-march=native, OpenMP) into the kvshare cache
+dir, keyed by a hash of the source, the flags and the compiler, then loaded with ctypes.
+Prefill chunks, KV stores and block copies stay on the torch path.
+
+No compiler, a failed build, or a shape/dtype the kernel does not cover (float16, head dims
+other than 64/128/256) all fall back to the torch path, so results never depend on it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from engine.attention.base import AttentionMetadata
+from engine.attention.torch_ref import TorchRefBackend
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class NativeBuildError(RuntimeError):
+    """The kernel library could not be compiled or loaded; the message says why."""
+
+
+class CpuNativeBackend(TorchRefBackend):
+    """TorchRefBackend whose decode attention runs in the native paged kernel."""
+
+    name = "cpu"
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._decode_fn = library.kvshare_paged_decode
+        self._supports_head_dim = library.kvshare_supports_head_dim
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [B, H, D], one token per sequence
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = query.shape
+        dtype_code = _DTYPE_CODES.get(query.dtype)
+        if dtype_code is None or k_cache.dtype != query.dtype:
+            return super()._decode(query, k_cache, v_cache, meta, scale)
+        if not self._supports_head_dim(head_dim):
+            return super()._decode(query, k_cache, v_cache, meta, scale)
+        query = query.contiguous()
+        tables = meta.block_tables[:num_seqs].to(torch.int32).contiguous()  # [B, max_blocks]
+        seq_lens = meta.seq_lens[:num_seqs].to(torch.int32).contiguous()  # [B]
+        out = torch.empty_like(query)
+        status = self._decode_fn(
+            dtype_code,
+            query.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            num_seqs,
+            num_heads,
+            k_cache.shape[2],
+            head_dim,
+            k_cache.shape[1],
+            tables.shape[1],
+            scale,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"native paged decode failed with status {status}")
+        return out
+
+
+def create_backend(build_dir: Path) -> CpuNativeBackend:
+    """Build (or reuse) the kernel library under build_dir; raises NativeBuildError."""
+    return CpuNativeBackend(load_library(build_dir))
+
+
+@cache
+def load_library(build_dir: Path) -> ctypes.CDLL:
+    """The compiled kernel library, built once per (source, flags, compiler) and cached."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise NativeBuildError("no C++ compiler found (install g++ or set CXX)")
+    target = build_dir / f"cpu_kernels-{_build_key(compiler)}.so"
+    if not target.is_file():
+        _compile(compiler, target)
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {target}: {exc}") from exc
+    _declare(library)
+    return library
+
+
+def _build_key(compiler: str) -> str:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(FLAGS).encode())
+    digest.update(version.encode())
+    digest.update(_cpu_flags().encode())  # -march=native code is only valid on the same CPU
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compile(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build aside and rename: concurrent starts never load a half-written library.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        command = [compiler, *FLAGS, "-shared", "-fPIC", str(SOURCE), "-o", str(built)]
+        logger.info("building the native CPU attention kernel: %s", " ".join(command))
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise NativeBuildError(f"compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
+        built.replace(target)
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    int_, ptr = ctypes.c_int, ctypes.c_void_p
+    library.kvshare_paged_decode.restype = int_
+    library.kvshare_paged_decode.argtypes = [int_, *[ptr] * 6, *[int_] * 6, ctypes.c_float, int_]
+    library.kvshare_supports_head_dim.restype = int_
+    library.kvshare_supports_head_dim.argtypes = [int_]

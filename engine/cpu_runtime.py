@@ -1,0 +1,48 @@
+"""Process settings that make torch on the CPU fast; applied once when a CPU runner starts.
+
+glibc serves every allocation above its mmap threshold (128 KiB at start, adapted upwards
+only after a free) with a fresh mmap, and returns it with munmap on free. A forward pass
+allocates and frees activations of megabytes per op, so every op would start by faulting
+in and zeroing fresh pages: measured on SmolLM2 (bf16, 2048-token prefill chunks) an RMSNorm
+took 4.6 ms with the defaults and 0.5 ms with the heap kept. Raising the mmap threshold to
+its maximum and the trim threshold above it keeps freed activations in the heap for reuse.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+# mallopt parameters (malloc.h) and glibc's largest accepted mmap threshold on 64-bit.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_MAX_MMAP_THRESHOLD = 32 * 1024 * 1024
+_TRIM_THRESHOLD = 512 * 1024 * 1024
+
+_applied = False
+
+
+def keep_temporaries_on_heap() -> bool:
+    """Tune glibc malloc as above; False (and nothing changed) off glibc. Idempotent."""
+    global _applied
+    if _applied:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other C libraries have no mallopt
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    ok = mallopt(_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD) == 1
+    ok = mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and ok
+    if not ok:
+        logger.warning("mallopt refused the allocator settings; CPU steps may be slower")
+    _applied = ok
+    return ok
