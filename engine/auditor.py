@@ -67,6 +67,7 @@ from engine.model_runner import ModelRunner
 from engine.protocol import FaultReport
 from engine.scheduler import CacheHit
 from engine.sequence import Sequence
+from engine.transfer import split_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -323,8 +324,7 @@ class Auditor:
         cached = audit.hit.cached_block_ids
         num = len(cached)
         device = self.runner.device
-        cached_ids = torch.tensor(cached, dtype=torch.int64, device=device)
-        private_ids = torch.tensor(audit.private_block_ids[:num], dtype=torch.int64, device=device)
+        cached_ids, private_ids = split_to_device([cached, audit.private_block_ids[:num]], device)
         valid = torch.ones(num, bs, dtype=torch.bool, device=device)  # [N, bs]
         valid[-1, audit.hit.num_cached_tokens - (num - 1) * bs :] = False
         max_diff = torch.zeros(num, device=device)

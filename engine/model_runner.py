@@ -26,6 +26,7 @@ from engine.models.llama import LlamaSpec
 from engine.protocol import ModelInfo
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from engine.transfer import split_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def prepare_inputs(sched_out: SchedulerOutput, device: torch.device) -> StepInpu
     width = max(len(seq.block_ids) for seq in seqs)
     tables = [b for seq in seqs for b in seq.block_ids + [0] * (width - len(seq.block_ids))]
     parts = (input_ids, positions, sched_out.slot_mapping, query_start_loc, seq_lens)
-    ids, pos, slots, qsl, lens, logits_rows, table_flat = _to_device(
+    ids, pos, slots, qsl, lens, logits_rows, table_flat = split_to_device(
         [*parts, logits_indices, tables], device
     )
     meta = AttentionMetadata(
@@ -103,14 +104,6 @@ def prepare_inputs(sched_out: SchedulerOutput, device: torch.device) -> StepInpu
         seq_lens_host=seq_lens,
     )
     return StepInputs(ids, pos, meta, logits_rows, [i for i, _ in sampled], [s for _, s in sampled])
-
-
-def _to_device(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """int64 tensors on `device`, one per list, moved in a single host-to-device copy."""
-    host = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return list(host.to(device, non_blocking=True).split([len(p) for p in parts]))
 
 
 def _check_batch(sched_out: SchedulerOutput, num_tokens: int) -> None:
@@ -254,7 +247,7 @@ class ModelRunner:
         with torch.inference_mode():
             hidden = self.graph_runner.replay(sched_out)  # [B, E], row i = sequence i
             if len(rows) < len(seqs):
-                hidden = hidden[_to_device([rows], self.device)[0]]  # [S, E]
+                hidden = hidden[split_to_device([rows], self.device)[0]]  # [S, E]
             return self._sample(hidden, seq_ids, specs)
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
@@ -374,8 +367,7 @@ class ModelRunner:
         ]
 
     def _copy_blocks(self, copies: list[BlockCopy]) -> None:
-        src = torch.tensor([c.src for c in copies], dtype=torch.int64, device=self.device)
-        dst = torch.tensor([c.dst for c in copies], dtype=torch.int64, device=self.device)
+        src, dst = split_to_device([[c.src for c in copies], [c.dst for c in copies]], self.device)
         self.attn_backend.copy_blocks(self.kv_caches, src, dst)
 
     def _log_capacity(self) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from engine.batch import SampledToken, SampleSpec
 from engine.sampling_params import SamplingParams
+from engine.transfer import to_device
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -63,7 +64,7 @@ def counter_uniforms(keys: Sequence[int], token_ids: torch.Tensor) -> torch.Tens
     vocabulary sees exactly the values the full vocabulary would. The splitmix64 finaliser
     runs in place: fresh [N, V] buffers per op cost ~3x more in page faults on the CPU.
     """
-    key = torch.tensor([_to_int64(k) for k in keys], dtype=torch.int64, device=token_ids.device)
+    key = to_device([_to_int64(k) for k in keys], torch.int64, token_ids.device)
     # int64 add/multiply wrap modulo 2**64, exactly like the unsigned reference mix64().
     z = torch.add(token_ids, 1).mul_(_to_int64(_GOLDEN)).add_(key[:, None])
     scratch = torch.empty_like(z)
@@ -136,8 +137,7 @@ class Sampler:
         if entries:
             rows, cols, values = zip(*entries, strict=True)
             index = (self._tensor(rows, logits.device), self._tensor(cols, logits.device))
-            bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
-            logits.index_put_(index, bias, accumulate=True)
+            logits.index_put_(index, self._floats(values, logits), accumulate=True)
 
     def _apply_min_tokens(self, logits: torch.Tensor, draws: list[_Draw]) -> None:
         rows, cols = [], []
@@ -152,7 +152,7 @@ class Sampler:
             cols += sorted(banned)
         if rows:
             index = (self._tensor(rows, logits.device), self._tensor(cols, logits.device))
-            logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+            logits[index] = float("-inf")
 
     def _apply_repetition_penalty(self, logits: torch.Tensor, draws: list[_Draw]) -> None:
         selected = [i for i, d in enumerate(draws) if d.params.repetition_penalty != 1.0]
@@ -306,8 +306,8 @@ class Sampler:
 
     @staticmethod
     def _tensor(values: Sequence[int], device) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+        return to_device(values, torch.int64, device)
 
     @staticmethod
     def _floats(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(values, dtype=like.dtype, device=like.device)
+        return to_device(values, like.dtype, like.device)
