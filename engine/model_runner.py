@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.cpu_runtime import keep_temporaries_on_heap
 from engine.cuda_graph_runner import CudaGraphRunner, graphs_disabled_reason
 from engine.loader import kvshare_cache_dir, load_model
+from engine.models.cpu_linear import can_pack
 from engine.models.llama import LlamaSpec
 from engine.protocol import ModelInfo
 from engine.sampler import Sampler
@@ -284,6 +285,8 @@ class ModelRunner:
     def _load_model(self) -> None:
         loaded = load_model(self.config, self.device, self.dtype)
         self.model = loaded.model
+        if can_pack(self.device, self.dtype):
+            self.model.pack_for_cpu()  # oneDNN with packed weights: faster CPU matmuls
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len
         self.model_info = ModelInfo(

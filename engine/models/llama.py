@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.cpu_linear import PackedLinear, pack_linears
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -266,6 +267,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not spec.tie_word_embeddings:
             self.lm_head = _linear(spec.hidden_size, spec.vocab_size, False, device, dtype)
+        self.packed_head: PackedLinear | None = None  # set by pack_for_cpu()
 
     def forward(
         self,
@@ -284,8 +286,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, E] -> logits [N, V] in fp32 (select the rows first)."""
+        if self.packed_head is not None:
+            return self.packed_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def pack_for_cpu(self) -> None:
+        """Run every projection and the LM head on oneDNN with packed weights (see
+        cpu_linear.py); call after load_weights, when can_pack() says so."""
+        pack_linears(self.model)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.packed_head = PackedLinear(head, None)
+        # An untied head lives on only packed; a tied one is a packed copy of the embedding.
+        self.lm_head = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; raise if any part stays unset.
@@ -316,7 +329,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
 
     def _target(self, hf_name: str) -> tuple[str, int] | None:
-        if "rotary_emb." in hf_name or (self.lm_head is None and hf_name.startswith("lm_head.")):
+        tied = self.spec.tie_word_embeddings
+        if "rotary_emb." in hf_name or (tied and hf_name.startswith("lm_head.")):
             return None  # recomputed buffers; tied heads reuse the embedding
         parts = hf_name.split(".")
         if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:

@@ -88,6 +88,20 @@ def test_full_sequence_logits_match_hf(variant, make_tiny_model, make_step):
     torch.testing.assert_close(ours, hf_logits(model_dir, ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("variant", ["llama", "llama-tied", "llama-bias", "qwen2-bias"])
+def test_packed_cpu_weights_still_match_hf(variant, make_tiny_model, make_step):
+    arch, overrides = VARIANTS[variant]
+    model_dir = make_tiny_model(arch, **overrides)
+    ids = prompt(21, seed=4)
+    paged = Paged(model_dir)
+    paged.loaded.model.pack_for_cpu()
+    model = paged.loaded.model
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert model.lm_head is None and model.packed_head is not None
+    ours = paged.run(make_step, [ScheduledSeq(0, ids, 0, [4, 1, 6])])
+    torch.testing.assert_close(ours, hf_logits(model_dir, ids), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("variant", ["llama", "qwen2-bias", "llama3-rope"])
 def test_chunked_prefill_through_the_cache_matches_hf(variant, make_tiny_model, make_step):
     arch, overrides = VARIANTS[variant]
