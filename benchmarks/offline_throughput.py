@@ -12,7 +12,8 @@ allocator state, thread pools or warm caches (kvshare tunes glibc malloc for its
 HF runs with the defaults a user gets).
 
 Usage: python benchmarks/offline_throughput.py [--num-prompts 64 --prompt-len 240
-       --output-len 64 --concurrency 32 --hf-single-prompts 8 --threads 2 --out FILE.json]
+       --output-len 64 --concurrency 32 --hf-single-prompts 8 --threads 2 --repeats 1
+       --out FILE.json]
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def main() -> None:
     parser.add_argument("--hf-single-prompts", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of every row; medians")
     parser.add_argument("--out", default="benchmarks/results/offline_throughput.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -145,29 +147,61 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = build_prompts(tokenizer, args.num_prompts, args.prompt_len)
 
-    def row(fn, *fn_args) -> dict:
-        return in_fresh_process(args.threads, fn, *fn_args)
-
-    rows: dict[str, dict] = {}
+    jobs = {}
     for dtype in ("float32", "bfloat16"):
-        rows[f"kvshare {dtype}, {args.concurrency} concurrent"] = row(
-            run_engine, model_dir, dtype, prompts, args.output_len, args.concurrency
+        jobs[f"kvshare {dtype}, {args.concurrency} concurrent"] = (
+            run_engine,
+            model_dir,
+            dtype,
+            prompts,
+            args.output_len,
+            args.concurrency,
         )
-        print(rows, flush=True)
     for dtype in ("float32", "bfloat16"):
-        rows[f"kvshare {dtype}, 1 sequence"] = row(
-            run_engine_single, model_dir, dtype, prompts[0], args.output_len
+        jobs[f"kvshare {dtype}, 1 sequence"] = (
+            run_engine_single,
+            model_dir,
+            dtype,
+            prompts[0],
+            args.output_len,
         )
     if not args.skip_hf:
-        rows["HF generate fp32, one at a time"] = row(
-            run_hf, model_dir, prompts[: args.hf_single_prompts], args.output_len, 1
+        jobs["HF generate fp32, one at a time"] = (
+            run_hf,
+            model_dir,
+            prompts[: args.hf_single_prompts],
+            args.output_len,
+            1,
         )
-        rows["HF generate fp32, static batches of 8"] = row(
-            run_hf, model_dir, prompts, args.output_len, 8
+        jobs["HF generate fp32, static batches of 8"] = (
+            run_hf,
+            model_dir,
+            prompts,
+            args.output_len,
+            8,
         )
+    # Every repeat runs all rows in turn, so a noisy spell on a shared machine hits every row;
+    # the table shows each figure's median over the repeats.
+    runs: dict[str, list[dict]] = {name: [] for name in jobs}
+    for repeat in range(args.repeats):
+        for name, (fn, *fn_args) in jobs.items():
+            runs[name].append(in_fresh_process(args.threads, fn, *fn_args))
+            print(f"repeat {repeat + 1}/{args.repeats}: {name}: {runs[name][-1]}", flush=True)
+    rows = {name: median_row(results) for name, results in runs.items()}
     print_table(rows, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    Path(args.out).write_text(
+        json.dumps({"args": vars(args), "rows": rows, "runs": runs}, indent=2)
+    )
+
+
+def median_row(results: list[dict]) -> dict:
+    """Each field's median over the repeats (None where no repeat measured it)."""
+    row = {}
+    for key in results[0]:
+        values = [r[key] for r in results if r[key] is not None]
+        row[key] = statistics.median(values) if values else None
+    return row
 
 
 def in_fresh_process(num_threads: int, fn, *fn_args) -> dict:
