@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from engine.sampling_params import ParamError
 
+SCHEDULING_POLICIES = ("fcfs", "longest-prefix-first")  # see engine/admission.py
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -70,7 +72,7 @@ class EngineConfig:
                 "must be auto, torch, cpu or triton",
             ),
             (
-                self.scheduling_policy in ("fcfs", "longest-prefix-first"),
+                self.scheduling_policy in SCHEDULING_POLICIES,
                 "scheduling_policy",
                 "must be fcfs or longest-prefix-first",
             ),

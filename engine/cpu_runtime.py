@@ -5,7 +5,9 @@ only after a free) with a fresh mmap, and returns it with munmap on free. A forw
 allocates and frees activations of megabytes per op, so every op would start by faulting
 in and zeroing fresh pages: measured on SmolLM2 (bf16, 2048-token prefill chunks) an RMSNorm
 took 4.6 ms with the defaults and 0.5 ms with the heap kept. Raising the mmap threshold to
-its maximum and the trim threshold above it keeps freed activations in the heap for reuse.
+its maximum (32 MiB on 64-bit glibc; larger temporaries are still mapped per use) and the trim
+threshold above it keeps freed activations in the heap for reuse. The runner applies it after
+loading the weights, so they keep their own mappings and freeing them leaves no heap holes.
 """
 
 from __future__ import annotations

@@ -137,9 +137,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if self.device.type == "cpu":
-            keep_temporaries_on_heap()
         self._load_model()
+        if self.device.type == "cpu":  # after loading: weights keep their own mappings
+            keep_temporaries_on_heap()
         self.attn_backend = get_attention_backend(
             config.attention_backend, self.device, kvshare_cache_dir(config) / "kernels"
         )

@@ -5,14 +5,7 @@ sequence by recompute when blocks run out, after cached blocks were evicted), th
 chunks of running sequences, then admission of waiting sequences, all under a token budget
 and a sequence cap. The scheduler reaches KV memory only through KVCacheManager.
 
-Admission order (scheduling_policy):
-  fcfs                  queue order (preempted sequences go back to the front).
-  longest-prefix-first  the first LPF_WINDOW waiting sequences by cached prefix length
-                        (longest first, queue order on ties); one that arrived more than
-                        LPF_MAX_WAIT_STEPS steps ago goes first regardless, so nothing starves.
-With the prefix cache, a waiting sequence whose next uncached full blocks are being prefilled
-by a running sequence of its namespace (its "leader", not inserted yet) is skipped this step:
-it is admitted once the leader has inserted them, or has left prefill, and then reuses them.
+Admission order and the in-batch hold of followers live in admission.py.
 
 Write audit: a slot mapping that would write into a shared or cached block (a bug upstream)
 fails only the request it belongs to, with an error, quarantines the block, is counted in
@@ -27,6 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.admission import AdmissionPolicy
 from engine.batch import (
     ModelRunnerOutput,
     SampledToken,
@@ -47,8 +41,6 @@ from engine.sequence import Request, Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 _MAX_SEED = 2**63 - 1
-LPF_WINDOW = 64  # waiting sequences looked up per step (a lookup costs O(tokens))
-LPF_MAX_WAIT_STEPS = 32  # the age bound of longest-prefix-first, in scheduler steps
 
 
 @dataclass
@@ -101,7 +93,7 @@ class Scheduler:
 
     weights_version goes into every request's prefix-cache namespace
     (make_namespace(weights_version, None, request.cache_salt)); scheduling_policy is
-    "fcfs" or "longest-prefix-first" (see the module docstring). With record_cache_hits,
+    "fcfs" or "longest-prefix-first" (see admission.py). With record_cache_hits,
     every first admission that reuses cached tokens is kept as a CacheHit for
     take_cache_hits() (the engine drains them every step for the auditor).
     """
@@ -119,10 +111,9 @@ class Scheduler:
         record_cache_hits: bool = False,
     ) -> None:
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_model_len >= 2
-        assert scheduling_policy in ("fcfs", "longest-prefix-first"), scheduling_policy
         self.kv_cache_manager = kv_cache_manager
         self.weights_version = weights_version  # part of every request's cache namespace
-        self.scheduling_policy = scheduling_policy
+        self.admission = AdmissionPolicy(kv_cache_manager, scheduling_policy)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -338,7 +329,7 @@ class Scheduler:
 
     def _admit_waiting(self, step: _Step) -> None:
         """Admit in policy order until the budget, the seats or the pool runs out."""
-        for seq in self._admission_order():
+        for seq in self.admission.order(self._waiting, self._num_steps):
             if step.budget == 0:
                 break
             if self._can_never_fit(seq):
@@ -346,7 +337,7 @@ class Scheduler:
                 continue
             if self._num_seats() + seq.num_choices > self.max_num_seqs:
                 break
-            if self._is_held(seq):
+            if self.admission.is_held(seq, self._running):
                 continue
             num_tokens = self.kv_cache_manager.admit(seq, step.budget)
             if num_tokens is None:
@@ -357,44 +348,6 @@ class Scheduler:
             cached_block_ids = self.kv_cache_manager.take_admitted_cache_blocks(seq)
             self._record_first_admission(seq, cached_block_ids)
             self._add_chunk(step, seq, num_tokens)
-
-    def _admission_order(self) -> list[Sequence]:
-        waiting = list(self._waiting)
-        if self.scheduling_policy == "fcfs":
-            return waiting
-        window, rest = waiting[:LPF_WINDOW], waiting[LPF_WINDOW:]
-        is_aged = [self._num_steps - s.arrival_step > LPF_MAX_WAIT_STEPS for s in window]
-        aged = [s for s, old in zip(window, is_aged, strict=True) if old]
-        young = [s for s, old in zip(window, is_aged, strict=True) if not old]
-        young.sort(key=lambda s: -self.kv_cache_manager.cached_prefix_len(s))  # stable
-        return aged + young + rest
-
-    def _is_held(self, seq: Sequence) -> bool:
-        """In-batch sharing: True while a running, prefilling sequence of seq's namespace
-        (a leader) is computing tokens seq could reuse once the leader has inserted them
-        (tokens shared with seq in blocks the leader's prefill fills), beyond what seq
-        could reuse now.
-
-        Bounded: the leader inserts its full blocks after every chunk, so all of them once
-        its prefill ends, and stops being a leader when it decodes or leaves the running list.
-        """
-        kv = self.kv_cache_manager
-        if kv.prefix_cache is None:
-            return False
-        token_ids = seq.token_slice(0, seq.num_tokens - 1)  # the most a match may cover
-        num_cached = None
-        for leader in self._running:
-            if leader.is_decoding or leader.cache_namespace != seq.cache_namespace:
-                continue
-            num_filled = leader.num_tokens // kv.block_size * kv.block_size
-            num_reusable = leader.num_shared_tokens(token_ids[:num_filled], kv.block_size)
-            if num_reusable <= kv.num_inserted_tokens(leader):
-                continue
-            if num_cached is None:
-                num_cached = kv.cached_prefix_len(seq)
-            if num_reusable > num_cached:
-                return True
-        return False
 
     def _record_first_admission(self, seq: Sequence, cached_block_ids: list[int]) -> None:
         """num_cached_tokens: the prompt tokens reused when seq was first admitted."""

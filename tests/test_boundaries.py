@@ -26,6 +26,7 @@ ENGINE_CORE = (
     "engine.sequence",
     "engine.radix_cache",
     "engine.kv_cache_manager",
+    "engine.admission",
     "engine.scheduler",
 )
 

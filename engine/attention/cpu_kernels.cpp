@@ -180,8 +180,10 @@ void paged_decode(const T* query, const T* k_cache, const T* v_cache, const int3
   const int64_t padded_len = (max_len + kLanes - 1) / kLanes * kLanes;
 #pragma omp parallel num_threads(num_threads)
   {
-    Scratch scratch;
-    scratch.scores.resize(max_heads * padded_len);
+    thread_local Scratch scratch;  // per pool thread, grown to the largest call so far
+    if (scratch.scores.size() < static_cast<size_t>(max_heads * padded_len)) {
+      scratch.scores.resize(max_heads * padded_len);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < num_tasks; ++task) {
       const int b = task / tasks_per_seq;

@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -31,7 +32,10 @@ from engine.attention.torch_ref import TorchRefBackend
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-std=c++17")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
+if platform.machine() in ("x86_64", "AMD64"):
+    # GCC's default tuning splits 512-bit vectors on some x86 CPUs (Zen 4); ask for whole ones.
+    FLAGS += ("-mprefer-vector-width=512",)
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -57,14 +61,12 @@ class CpuNativeBackend(TorchRefBackend):
         scale: float,
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = query.shape
-        dtype_code = _DTYPE_CODES.get(query.dtype)
-        if dtype_code is None or k_cache.dtype != query.dtype:
-            return super()._decode(query, k_cache, v_cache, meta, scale)
-        if not self._supports_head_dim(head_dim):
+        if not self._covers(query, k_cache, v_cache, meta):
             return super()._decode(query, k_cache, v_cache, meta, scale)
         query = query.contiguous()
         tables = meta.block_tables[:num_seqs].to(torch.int32).contiguous()  # [B, max_blocks]
         seq_lens = meta.seq_lens[:num_seqs].to(torch.int32).contiguous()  # [B]
+        dtype_code = _DTYPE_CODES[query.dtype]
         out = torch.empty_like(query)
         status = self._decode_fn(
             dtype_code,
@@ -87,6 +89,27 @@ class CpuNativeBackend(TorchRefBackend):
             raise RuntimeError(f"native paged decode failed with status {status}")
         return out
 
+    def _covers(self, query, k_cache, v_cache, meta: AttentionMetadata) -> bool:
+        """Whether the kernel handles this call; it reads raw pointers, so check everything
+        it assumes (anything else takes the torch path)."""
+        num_seqs, num_heads, head_dim = query.shape
+        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+        max_len = max(meta.seq_lens_host[:num_seqs], default=0)
+        tables = meta.block_tables[:num_seqs]
+        max_block_id = int(tables.max()) if tables.numel() else 0
+        return (
+            query.dtype in _DTYPE_CODES
+            and query.device.type == "cpu"
+            and k_cache.dtype == v_cache.dtype == query.dtype
+            and k_cache.shape == v_cache.shape
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and num_heads % num_kv_heads == 0
+            and bool(self._supports_head_dim(head_dim))
+            and max_len <= meta.block_tables.shape[1] * block_size
+            and max_block_id < num_blocks
+        )
+
 
 def create_backend(build_dir: Path) -> CpuNativeBackend:
     """Build (or reuse) the kernel library under build_dir; raises NativeBuildError."""
@@ -99,13 +122,13 @@ def load_library(build_dir: Path) -> ctypes.CDLL:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise NativeBuildError("no C++ compiler found (install g++ or set CXX)")
-    target = build_dir / f"cpu_kernels-{_build_key(compiler)}.so"
-    if not target.is_file():
-        _compile(compiler, target)
     try:
+        target = build_dir / f"cpu_kernels-{_build_key(compiler)}.so"
+        if not target.is_file():
+            _compile(compiler, target)
         library = ctypes.CDLL(str(target))
-    except OSError as exc:
-        raise NativeBuildError(f"cannot load {target}: {exc}") from exc
+    except (OSError, subprocess.SubprocessError) as exc:  # unwritable dir, bad CXX, bad .so
+        raise NativeBuildError(f"cannot build or load the kernel with {compiler!r}: {exc}") from exc
     _declare(library)
     return library
 

@@ -13,6 +13,7 @@ from engine.batch import ScheduledSeq
 from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.model_runner import prepare_inputs
+from engine.models.cpu_linear import can_pack
 from engine.models.llama import LlamaSpec, rope_inv_freq
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -88,6 +89,7 @@ def test_full_sequence_logits_match_hf(variant, make_tiny_model, make_step):
     torch.testing.assert_close(ours, hf_logits(model_dir, ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(not can_pack(CPU, torch.float32), reason="no oneDNN linear in this torch")
 @pytest.mark.parametrize("variant", ["llama", "llama-tied", "llama-bias", "qwen2-bias"])
 def test_packed_cpu_weights_still_match_hf(variant, make_tiny_model, make_step):
     arch, overrides = VARIANTS[variant]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from pathlib import Path
@@ -61,8 +62,17 @@ def test_matches_reference(backend, case: tuple, dtype: torch.dtype) -> None:
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.fixture
+def two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.usefixtures("two_threads")
 def test_many_sequences_split_whole_sequences_over_threads(backend) -> None:
-    # 32 decodes: the kernel switches from one task per KV head to one per sequence
+    # 32 decodes >= 4 per thread: the kernel gives each task a whole sequence, not one KV head
     chunks = [(17 * i % 90, 1) for i in range(32)]
     batch = make_paged_batch(chunks, 32, 16, 9, 3, 64, dtype=torch.bfloat16, seed=7)
     out, expected = forward_and_reference(backend, batch)
@@ -81,6 +91,44 @@ def test_uncovered_shapes_fall_back_to_the_torch_path(
     out, expected = forward_and_reference(backend, batch)
     assert calls == []  # the native kernel was not called
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def _strided(cache: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous tensor (every other block of a larger one)."""
+    wide = torch.zeros((2 * cache.shape[0], *cache.shape[1:]), dtype=cache.dtype)
+    wide[::2] = cache
+    return wide[::2]
+
+
+def test_a_strided_cache_takes_the_torch_path(backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = make_paged_batch([(30, 1), (9, 1)], 2, 8, 4, 2, 64, seed=5)
+    expected = forward_and_reference(backend, batch)[1]
+    calls = []
+    monkeypatch.setattr(backend, "_decode_fn", lambda *args: calls.append(args) or 0)
+    k_cache, v_cache = _strided(batch.k_cache), _strided(batch.v_cache)
+    out = backend.forward(batch.query, k_cache, v_cache, batch.meta, 64**-0.5)
+    assert calls == []
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("change", ["value-dtype", "short-table", "block-id-past-pool"])
+def test_inputs_the_kernel_cannot_read_safely_never_reach_it(
+    backend, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    batch = make_paged_batch([(30, 1), (9, 1)], 2, 8, 4, 2, 64, seed=5)
+    v_cache, meta = batch.v_cache, batch.meta
+    if change == "value-dtype":
+        v_cache = v_cache.to(torch.float64)
+    elif change == "short-table":  # narrower than the context: reads would run past the row
+        meta.block_tables = meta.block_tables[:, :2].contiguous()
+    else:
+        meta.block_tables[0, 0] = batch.k_cache.shape[0]
+    calls = []
+    monkeypatch.setattr(backend, "_decode_fn", lambda *args: calls.append(args) or 0)
+    # The torch path may reject these itself; what matters is that no raw pointer is read.
+    with contextlib.suppress(RuntimeError, IndexError):
+        backend.forward(batch.query, batch.k_cache, v_cache, meta, 0.125)
+    assert calls == []
 
 
 def test_library_is_built_once_per_source_and_reused(build_dir: Path, backend) -> None:
