@@ -92,44 +92,14 @@ struct Shape {
   int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
 };
 
-// Per-thread scratch: scores [heads, L], L rounded up to whole vectors.
+// Per-thread scratch: scores [G, L] of one KV head's query heads, L rounded up to whole vectors.
 struct Scratch {
   std::vector<float> scores;
 };
 
-// One task: sequence `table`/`seq_len`, KV heads [kv_begin, kv_end) and their query heads.
-// Each context slot holds the K (V) rows of all KV heads side by side, so a block is read
-// front to back.
-template <typename T, int kVecs>  // kVecs = D / 16
-void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
-            int kv_begin, int kv_end, const Shape& s, float scale, Scratch& scratch, T* out) {
-  constexpr int kHeadDim = kVecs * kLanes;
-  const int group = s.num_heads / s.num_kv_heads;
-  const int num_heads = (kv_end - kv_begin) * group;
-  const int padded_len = (seq_len + kLanes - 1) / kLanes * kLanes;
-  const int64_t slot_stride = static_cast<int64_t>(s.num_kv_heads) * kHeadDim;
-  const int64_t block_stride = slot_stride * s.block_size;
-  const T* first_query = query + static_cast<int64_t>(kv_begin) * group * kHeadDim;
-  float* scores = scratch.scores.data();
-
-  // Pass 1: scores [heads, L] = scale * q . k.
-  for (int h = 0; h < num_heads; ++h) {
-    const int kv = kv_begin + h / group;
-    vfloat q[kVecs];
-    for (int i = 0; i < kVecs; ++i) q[i] = load(first_query + h * kHeadDim + i * kLanes) * scale;
-    float* row_scores = scores + static_cast<int64_t>(h) * padded_len;
-    for (int start = 0; start < seq_len; start += s.block_size) {
-      const T* k = k_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
-      const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
-      for (int t = start; t < end; ++t, k += slot_stride) {
-        vfloat dot = q[0] * load(k);
-        for (int i = 1; i < kVecs; ++i) dot += q[i] * load(k + i * kLanes);
-        row_scores[t] = sum(dot);
-      }
-    }
-  }
-  // Softmax of each head's scores, in place; the padding past seq_len gets weight 0.
-  for (int h = 0; h < num_heads; ++h) {
+// Softmax of each of `rows` score rows, in place; the padding past seq_len gets weight 0.
+void softmax_rows(float* scores, int rows, int seq_len, int padded_len) {
+  for (int h = 0; h < rows; ++h) {
     float* row_scores = scores + static_cast<int64_t>(h) * padded_len;
     for (int t = seq_len; t < padded_len; ++t) row_scores[t] = -1e30f;
     vfloat best = splat(-1e30f);
@@ -149,24 +119,65 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
       store(load(row_scores + t) * inv_total, row_scores + t);
     }
   }
-  // Pass 2: out [heads, D] = sum_t p[h, t] * v[t].
-  for (int h = 0; h < num_heads; ++h) {
-    const int kv = kv_begin + h / group;
-    const float* p = scores + static_cast<int64_t>(h) * padded_len;
-    vfloat acc[kVecs] = {};
+}
+
+// One task: one sequence (`query`/`out` are its [H, D] rows), KV heads [kv_begin, kv_end).
+// Each context slot holds the K (V) rows of all KV heads side by side, so a block is read front
+// to back, and each K/V row is converted once for the kGroup query heads that share it; with
+// D and G known at compile time the queries and accumulators stay in registers.
+template <typename T, int kVecs, int kGroup>  // kVecs = D / 16, kGroup = H / Hkv
+void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
+            int kv_begin, int kv_end, const Shape& s, float scale, Scratch& scratch, T* out) {
+  constexpr int kHeadDim = kVecs * kLanes;
+  const int padded_len = (seq_len + kLanes - 1) / kLanes * kLanes;
+  const int64_t slot_stride = static_cast<int64_t>(s.num_kv_heads) * kHeadDim;
+  const int64_t block_stride = slot_stride * s.block_size;
+  float* scores = scratch.scores.data();
+
+  for (int kv = kv_begin; kv < kv_end; ++kv) {
+    const int64_t first_row = static_cast<int64_t>(kv) * kGroup * kHeadDim;
+    // Pass 1: scores [G, L] = scale * q . k.
+    vfloat q[kGroup][kVecs];
+    for (int g = 0; g < kGroup; ++g) {
+      for (int i = 0; i < kVecs; ++i) {
+        q[g][i] = load(query + first_row + g * kHeadDim + i * kLanes) * scale;
+      }
+    }
+    for (int start = 0; start < seq_len; start += s.block_size) {
+      const T* k = k_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
+      const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
+      for (int t = start; t < end; ++t, k += slot_stride) {
+        vfloat row[kVecs];
+        for (int i = 0; i < kVecs; ++i) row[i] = load(k + i * kLanes);
+        for (int g = 0; g < kGroup; ++g) {
+          vfloat dot = q[g][0] * row[0];
+          for (int i = 1; i < kVecs; ++i) dot += q[g][i] * row[i];
+          scores[g * padded_len + t] = sum(dot);
+        }
+      }
+    }
+    softmax_rows(scores, kGroup, seq_len, padded_len);
+    // Pass 2: out [G, D] = sum_t p[g, t] * v[t].
+    vfloat acc[kGroup][kVecs] = {};
     for (int start = 0; start < seq_len; start += s.block_size) {
       const T* v = v_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
       const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
       for (int t = start; t < end; ++t, v += slot_stride) {
-        for (int i = 0; i < kVecs; ++i) acc[i] += p[t] * load(v + i * kLanes);
+        vfloat row[kVecs];
+        for (int i = 0; i < kVecs; ++i) row[i] = load(v + i * kLanes);
+        for (int g = 0; g < kGroup; ++g) {
+          const float p = scores[g * padded_len + t];
+          for (int i = 0; i < kVecs; ++i) acc[g][i] += p * row[i];
+        }
       }
     }
-    T* dst = out + (static_cast<int64_t>(kv_begin) * group + h) * kHeadDim;
-    for (int i = 0; i < kVecs; ++i) store(acc[i], dst + i * kLanes);
+    for (int g = 0; g < kGroup; ++g) {
+      for (int i = 0; i < kVecs; ++i) store(acc[g][i], out + first_row + g * kHeadDim + i * kLanes);
+    }
   }
 }
 
-template <typename T, int kVecs>
+template <typename T, int kVecs, int kGroup>
 void paged_decode(const T* query, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                   const int32_t* seq_lens, T* out, const Shape& s, float scale, int num_threads) {
   int max_len = 0;
@@ -176,23 +187,43 @@ void paged_decode(const T* query, const T* k_cache, const T* v_cache, const int3
   const int heads_per_task = s.num_seqs >= 4 * num_threads ? s.num_kv_heads : 1;
   const int tasks_per_seq = s.num_kv_heads / heads_per_task;
   const int num_tasks = s.num_seqs * tasks_per_seq;
-  const int max_heads = heads_per_task * (s.num_heads / s.num_kv_heads);
-  const int64_t padded_len = (max_len + kLanes - 1) / kLanes * kLanes;
+  const size_t scratch_size = static_cast<size_t>(kGroup) * ((max_len + kLanes - 1) / kLanes * kLanes);
 #pragma omp parallel num_threads(num_threads)
   {
     thread_local Scratch scratch;  // per pool thread, grown to the largest call so far
-    if (scratch.scores.size() < static_cast<size_t>(max_heads * padded_len)) {
-      scratch.scores.resize(max_heads * padded_len);
-    }
+    if (scratch.scores.size() < scratch_size) scratch.scores.resize(scratch_size);
 #pragma omp for schedule(dynamic, 1)
     for (int task = 0; task < num_tasks; ++task) {
       const int b = task / tasks_per_seq;
       const int kv_begin = (task % tasks_per_seq) * heads_per_task;
       const int64_t seq_offset = static_cast<int64_t>(b) * s.num_heads * s.head_dim;
-      attend<T, kVecs>(query + seq_offset, k_cache, v_cache, block_tables + b * s.max_blocks,
-                       seq_lens[b], kv_begin, kv_begin + heads_per_task, s, scale, scratch,
-                       out + seq_offset);
+      attend<T, kVecs, kGroup>(query + seq_offset, k_cache, v_cache,
+                               block_tables + b * s.max_blocks, seq_lens[b], kv_begin,
+                               kv_begin + heads_per_task, s, scale, scratch, out + seq_offset);
     }
+  }
+}
+
+#define KVSHARE_DECODE(VECS, GROUP)                                                        \
+  paged_decode<T, VECS, GROUP>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale, \
+                               num_threads);                                                \
+  return 0
+
+// Instantiates the kernel per (group size, head dim); 2 = a shape this build does not cover.
+template <typename T, int kVecs>
+int dispatch_group(const T* query, const T* k_cache, const T* v_cache,
+                   const int32_t* block_tables, const int32_t* seq_lens, T* out, const Shape& s,
+                   float scale, int num_threads) {
+  switch (s.num_heads / s.num_kv_heads) {
+    case 1: KVSHARE_DECODE(kVecs, 1);
+    case 2: KVSHARE_DECODE(kVecs, 2);
+    case 3: KVSHARE_DECODE(kVecs, 3);
+    case 4: KVSHARE_DECODE(kVecs, 4);
+    case 5: KVSHARE_DECODE(kVecs, 5);
+    case 6: KVSHARE_DECODE(kVecs, 6);
+    case 7: KVSHARE_DECODE(kVecs, 7);
+    case 8: KVSHARE_DECODE(kVecs, 8);
+    default: return 2;
   }
 }
 
@@ -202,17 +233,11 @@ int dispatch_head_dim(const T* query, const T* k_cache, const T* v_cache,
                       const Shape& s, float scale, int num_threads) {
   switch (s.head_dim) {
     case 64:
-      paged_decode<T, 4>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
-                         num_threads);
-      return 0;
+      return dispatch_group<T, 4>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
+                                  num_threads);
     case 128:
-      paged_decode<T, 8>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
-                         num_threads);
-      return 0;
-    case 256:
-      paged_decode<T, 16>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
-                          num_threads);
-      return 0;
+      return dispatch_group<T, 8>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
+                                  num_threads);
     default:
       return 2;
   }
@@ -222,13 +247,13 @@ int dispatch_head_dim(const T* query, const T* k_cache, const T* v_cache,
 
 extern "C" {
 
-// Head dims this build handles (the caller falls back to the torch path for others).
-int kvshare_supports_head_dim(int head_dim) {
-  return head_dim == 64 || head_dim == 128 || head_dim == 256;
+// Shapes this build handles (the caller falls back to the torch path for others).
+int kvshare_supports_shape(int head_dim, int group) {
+  return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= 8;
 }
 
-// dtype: 0 = float32, 1 = bfloat16. Returns 0 on success, 1 for an unknown dtype, 2 for an
-// unsupported head dim.
+// dtype: 0 = float32, 1 = bfloat16. Returns 0 on success, 1 for an unknown dtype, 2 for a
+// shape kvshare_supports_shape() refuses.
 int kvshare_paged_decode(int dtype, const void* query, const void* k_cache, const void* v_cache,
                          const int32_t* block_tables, const int32_t* seq_lens, void* out,
                          int num_seqs, int num_heads, int num_kv_heads, int head_dim,

@@ -8,7 +8,8 @@ dir, keyed by a hash of the source, the flags and the compiler, then loaded with
 Prefill chunks, KV stores and block copies stay on the torch path.
 
 No compiler, a failed build, or a shape/dtype the kernel does not cover (float16, head dims
-other than 64/128/256) all fall back to the torch path, so results never depend on it.
+other than 64/128, more than 8 query heads per KV head) all fall back to the torch path, so
+results never depend on it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class CpuNativeBackend(TorchRefBackend):
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._decode_fn = library.kvshare_paged_decode
-        self._supports_head_dim = library.kvshare_supports_head_dim
+        self._supports_shape = library.kvshare_supports_shape
 
     def _decode(
         self,
@@ -105,7 +106,7 @@ class CpuNativeBackend(TorchRefBackend):
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()
             and num_heads % num_kv_heads == 0
-            and bool(self._supports_head_dim(head_dim))
+            and bool(self._supports_shape(head_dim, num_heads // num_kv_heads))
             and max_len <= meta.block_tables.shape[1] * block_size
             and max_block_id < num_blocks
         )
@@ -171,5 +172,5 @@ def _declare(library: ctypes.CDLL) -> None:
     int_, ptr = ctypes.c_int, ctypes.c_void_p
     library.kvshare_paged_decode.restype = int_
     library.kvshare_paged_decode.argtypes = [int_, *[ptr] * 6, *[int_] * 6, ctypes.c_float, int_]
-    library.kvshare_supports_head_dim.restype = int_
-    library.kvshare_supports_head_dim.argtypes = [int_]
+    library.kvshare_supports_shape.restype = int_
+    library.kvshare_supports_shape.argtypes = [int_, int_]

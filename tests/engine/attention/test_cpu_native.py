@@ -44,6 +44,8 @@ DECODE_CASES = {
     "bs16-gqa3-d64-mid-block": ([(244, 1), (16, 1), (0, 1), (30, 1)], 4, 16, 9, 3, 64),
     "bs8-gqa1-d64": ([(7, 1), (64, 1)], 2, 8, 4, 4, 64),
     "bs32-gqa4-d128-long": ([(700, 1), (33, 1), (95, 1)], 3, 32, 8, 2, 128),
+    "bs16-gqa7-d64": ([(50, 1), (17, 1)], 2, 16, 14, 2, 64),
+    "bs16-gqa8-d128": ([(40, 1)], 1, 16, 8, 1, 128),
     "bs16-gqa2-d128-one-token-context": ([(0, 1), (1, 1)], 2, 16, 4, 2, 128),
     "mixed-with-prefills": ([(9, 1), (40, 1), (5, 7), (0, 4)], 2, 16, 6, 2, 64),
 }
@@ -80,12 +82,14 @@ def test_many_sequences_split_whole_sequences_over_threads(backend) -> None:
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "dtype"), [(16, torch.float32), (64, torch.float16)], ids=["d16", "fp16"]
+    ("num_heads", "head_dim", "dtype"),
+    [(4, 16, torch.float32), (4, 64, torch.float16), (18, 64, torch.float32)],
+    ids=["d16", "fp16", "gqa9"],
 )
 def test_uncovered_shapes_fall_back_to_the_torch_path(
-    backend, monkeypatch: pytest.MonkeyPatch, head_dim: int, dtype: torch.dtype
+    backend, monkeypatch: pytest.MonkeyPatch, num_heads: int, head_dim: int, dtype: torch.dtype
 ) -> None:
-    batch = make_paged_batch([(12, 1), (3, 1)], 2, 8, 4, 2, head_dim, dtype=dtype, seed=3)
+    batch = make_paged_batch([(12, 1), (3, 1)], 2, 8, num_heads, 2, head_dim, dtype=dtype, seed=3)
     calls = []
     monkeypatch.setattr(backend, "_decode_fn", lambda *args: calls.append(args) or 0)
     out, expected = forward_and_reference(backend, batch)
