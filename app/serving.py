@@ -21,16 +21,13 @@ from typing import Any
 import anyio
 
 from app.errors import APIError, EngineError
+from app.formatting import ChatFormatter, ChoiceDelta, CompletionFormatter, Formatter
 from app.metrics import ServerMetrics
 from app.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatFormatter,
-    ChoiceDelta,
-    CompletionFormatter,
     CompletionRequest,
     CompletionResponse,
-    Formatter,
     Usage,
 )
 from app.settings import ServerSettings
