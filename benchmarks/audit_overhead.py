@@ -131,7 +131,7 @@ def main() -> None:
     model_dir = str(resolve_model_dir(EngineConfig(model=args.model)))
     prompts = build_prompts(model_dir, args.num_requests, args.max_tokens)
     config = EngineConfig(
-        model=model_dir, dtype=args.dtype, device="cpu", attention_backend="torch",
+        model=model_dir, dtype=args.dtype, device="cpu",
         num_kv_blocks=1024, max_num_seqs=args.concurrency, max_num_batched_tokens=512,
         audit_max_pending=args.num_requests,  # at 1.0, audit every hit: none is dropped
     )  # fmt: skip
