@@ -166,6 +166,15 @@ def _compile(compiler: str, target: Path) -> None:
         if result.returncode != 0:
             raise NativeBuildError(f"compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
         built.replace(target)
+    _remove_other_builds(target)
+
+
+def _remove_other_builds(target: Path) -> None:
+    """Drop libraries of other sources or compilers: one build per source revision would
+    pile up. A process still running an old one keeps its mapping (Linux unlinks lazily)."""
+    for stale in target.parent.glob("cpu_kernels-*.so"):
+        if stale != target:
+            stale.unlink(missing_ok=True)
 
 
 def _declare(library: ctypes.CDLL) -> None:

@@ -135,6 +135,14 @@ def test_inputs_the_kernel_cannot_read_safely_never_reach_it(
     assert calls == []
 
 
+def test_a_new_build_replaces_older_ones(tmp_path: Path) -> None:
+    stale = tmp_path / "cpu_kernels-0123456789abcdef.so"
+    stale.write_bytes(b"an older revision")
+    cpu_native.load_library(tmp_path)
+    libraries = list(tmp_path.glob("cpu_kernels-*.so"))
+    assert len(libraries) == 1 and libraries[0] != stale
+
+
 def test_library_is_built_once_per_source_and_reused(build_dir: Path, backend) -> None:
     libraries = list(build_dir.glob("cpu_kernels-*.so"))
     assert len(libraries) == 1
