@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
+        head_dim=64,  # a head dim the native CPU decode kernel takes: these scenarios run it
         max_position_embeddings=MAX_LEN,
         initializer_range=0.2,  # peaky logits: no near-ties for argmax to flip on
         bos_token_id=1,
@@ -86,6 +88,18 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     kv.check_integrity([])
     kv.evict(kv.num_total_blocks)
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the native kernel needs g++")
+def test_these_scenarios_decode_through_the_native_cpu_kernel(tiny_model_dir, monkeypatch):
+    engine = make_engine(tiny_model_dir)
+    backend = engine.runner.attn_backend
+    assert backend.name == "cpu"
+    calls = []
+    kernel = backend._decode_fn
+    monkeypatch.setattr(backend, "_decode_fn", lambda *args: calls.append(args) or kernel(*args))
+    engine.generate(random_prompts(2, seed=3), GREEDY)
+    assert len(calls) >= 11 * 2  # every decode step, in each of the 2 layers
 
 
 def test_one_prompt_matches_hf(tiny_model_dir, hf_model):
