@@ -68,7 +68,7 @@ def _check_triton_can_run(device: torch.device) -> None:
     if device.type != "cuda" and not interpreting:
         raise ValueError(
             f"attention backend 'triton' runs on CUDA devices, not {device.type!r} "
-            "(on the CPU use 'torch', or set TRITON_INTERPRET=1 to run the kernels slowly)"
+            "(on the CPU use 'cpu' or 'torch', or set TRITON_INTERPRET=1 to run the kernels slowly)"
         )
 
 
