@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.cpu_runtime import keep_temporaries_on_heap
 from engine.cuda_graph_runner import CudaGraphRunner, graphs_disabled_reason
 from engine.loader import kvshare_cache_dir, load_model
+from engine.models.cpu_fused import CpuFusedOps
 from engine.models.cpu_linear import can_pack
 from engine.models.llama import LlamaSpec
 from engine.protocol import ModelInfo
@@ -143,6 +144,8 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(
             config.attention_backend, self.device, kvshare_cache_dir(config) / "kernels"
         )
+        if self.attn_backend.name == "cpu":  # its library also has the fused elementwise ops
+            self.model.use_fused_ops(CpuFusedOps(self.attn_backend.library))
         self.sampler = Sampler(self.model_info.eos_token_ids)
         self._capture_seq_ids: set[int] = set()  # the auditor's (the warm-up samples too)
         self._prompt_logits: dict[int, torch.Tensor] = {}

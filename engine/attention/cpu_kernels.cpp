@@ -14,6 +14,7 @@
 // weighted sum of V. Vectors are GCC vector extensions of 16 floats, which the compiler maps
 // to AVX-512 (or pairs of AVX2 registers); D must be a multiple of 16.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -243,6 +244,85 @@ int dispatch_head_dim(const T* query, const T* k_cache, const T* v_cache,
   }
 }
 
+// ---- Fused elementwise ops of a Llama block -------------------------------------------------
+// Each rounds to the storage type wherever the torch code it replaces (engine/models/llama.py)
+// does, so bf16 results match torch's up to the last bit of an fp32 intermediate. Rows are
+// contiguous and their lengths multiples of 16 (cpu_fused.py checks before calling).
+
+constexpr int64_t kParallelMin = 1 << 16;  // elements below which threads cost more than they save
+
+template <typename T>
+inline vfloat round_as(vfloat v);
+
+template <>
+inline vfloat round_as<float>(vfloat v) {
+  return v;
+}
+
+template <>
+inline vfloat round_as<bf16>(vfloat v) {
+  vuint bits = reinterpret_cast<vuint>(v);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return reinterpret_cast<vfloat>(bits & 0xffff0000u);
+}
+
+// out = weight * to_T(x * rsqrt(mean(x^2) + eps)), statistics in fp32 (LlamaRMSNorm).
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int dim, float eps,
+              int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = x + r * dim;
+    vfloat squares = splat(0.f);
+    for (int i = 0; i < dim; i += kLanes) {
+      const vfloat v = load(row + i);
+      squares += v * v;
+    }
+    const float inv_rms = 1.f / std::sqrt(sum(squares) / dim + eps);
+    for (int i = 0; i < dim; i += kLanes) {
+      const vfloat normed = round_as<T>(load(row + i) * inv_rms);
+      store(load(weight + i) * normed, out + r * dim + i);
+    }
+  }
+}
+
+// gate_up [rows, 2I] -> out [rows, I] = to_T(silu(gate)) * up.
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = gate_up + r * 2 * inter;
+    const T* up = gate + inter;
+    for (int i = 0; i < inter; i += kLanes) {
+      const vfloat g = load(gate + i);
+      const vfloat e = exp_nonpositive(g < 0.f ? g : -g);  // e^-|g|, never overflows
+      const vfloat sigmoid = g < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+      store(round_as<T>(g * sigmoid) * load(up + i), out + r * inter + i);
+    }
+  }
+}
+
+// Rotate-half rope: x [T, H, D] (token stride row_stride), cos/sin [T, D/2] -> out [T, H, D]
+// contiguous; out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin, each product rounded first.
+template <typename T>
+void rope(const T* x, int64_t row_stride, const T* cos, const T* sin, T* out, int64_t tokens,
+          int heads, int head_dim, int num_threads) {
+  const int half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= kParallelMin)
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int h = 0; h < heads; ++h) {
+      const T* in = x + t * row_stride + h * head_dim;
+      T* dst = out + (t * heads + h) * head_dim;
+      for (int i = 0; i < half; i += kLanes) {
+        const vfloat x1 = load(in + i), x2 = load(in + half + i);
+        const vfloat c = load(cos + t * half + i), s = load(sin + t * half + i);
+        store(round_as<T>(x1 * c) - round_as<T>(x2 * s), dst + i);
+        store(round_as<T>(x2 * c) + round_as<T>(x1 * s), dst + half + i);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -268,6 +348,54 @@ int kvshare_paged_decode(int dtype, const void* query, const void* k_cache, cons
     return dispatch_head_dim(static_cast<const bf16*>(query), static_cast<const bf16*>(k_cache),
                              static_cast<const bf16*>(v_cache), block_tables, seq_lens,
                              static_cast<bf16*>(out), s, scale, num_threads);
+  }
+  return 1;
+}
+
+// The fused ops; dtype as above. Return 0, or 1 for an unknown dtype.
+int kvshare_rms_norm(int dtype, const void* x, const void* weight, void* out, int64_t rows,
+                     int dim, float eps, int num_threads) {
+  if (dtype == 0) {
+    rms_norm(static_cast<const float*>(x), static_cast<const float*>(weight),
+             static_cast<float*>(out), rows, dim, eps, num_threads);
+    return 0;
+  }
+  if (dtype == 1) {
+    rms_norm(static_cast<const bf16*>(x), static_cast<const bf16*>(weight),
+             static_cast<bf16*>(out), rows, dim, eps, num_threads);
+    return 0;
+  }
+  return 1;
+}
+
+int kvshare_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int inter,
+                     int num_threads) {
+  if (dtype == 0) {
+    silu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter,
+             num_threads);
+    return 0;
+  }
+  if (dtype == 1) {
+    silu_mul(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), rows, inter,
+             num_threads);
+    return 0;
+  }
+  return 1;
+}
+
+int kvshare_rope(int dtype, const void* x, int64_t row_stride, const void* cos, const void* sin,
+                 void* out, int64_t tokens, int heads, int head_dim, int num_threads) {
+  if (dtype == 0) {
+    rope(static_cast<const float*>(x), row_stride, static_cast<const float*>(cos),
+         static_cast<const float*>(sin), static_cast<float*>(out), tokens, heads, head_dim,
+         num_threads);
+    return 0;
+  }
+  if (dtype == 1) {
+    rope(static_cast<const bf16*>(x), row_stride, static_cast<const bf16*>(cos),
+         static_cast<const bf16*>(sin), static_cast<bf16*>(out), tokens, heads, head_dim,
+         num_threads);
+    return 0;
   }
   return 1;
 }

@@ -50,6 +50,7 @@ class CpuNativeBackend(TorchRefBackend):
     name = "cpu"
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library  # its fused elementwise ops serve the model (cpu_fused.py)
         self._decode_fn = library.kvshare_paged_decode
         self._supports_shape = library.kvshare_supports_shape
 
@@ -183,3 +184,10 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvshare_paged_decode.argtypes = [int_, *[ptr] * 6, *[int_] * 6, ctypes.c_float, int_]
     library.kvshare_supports_shape.restype = int_
     library.kvshare_supports_shape.argtypes = [int_, int_]
+    long_, float_ = ctypes.c_int64, ctypes.c_float
+    library.kvshare_rms_norm.restype = int_
+    library.kvshare_rms_norm.argtypes = [int_, ptr, ptr, ptr, long_, int_, float_, int_]
+    library.kvshare_silu_mul.restype = int_
+    library.kvshare_silu_mul.argtypes = [int_, ptr, ptr, long_, int_, int_]
+    library.kvshare_rope.restype = int_
+    library.kvshare_rope.argtypes = [int_, ptr, long_, ptr, ptr, ptr, long_, int_, int_, int_]

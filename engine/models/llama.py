@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+from engine.models.cpu_fused import CpuFusedOps
 from engine.models.cpu_linear import PackedLinear, pack_linears
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
@@ -118,8 +119,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, device=device, dtype=dtype))
         self.eps = eps
+        self.fused: CpuFusedOps | None = None  # set by use_fused_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = None if self.fused is None else self.fused.rms_norm(x, self.weight, self.eps)
+        if out is not None:
+            return out
         # Statistics in fp32, scale in the input dtype: the same rounding as transformers.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -168,6 +173,7 @@ class LlamaAttention(nn.Module):
             spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias, device, dtype
         )
         self.o_proj = _linear(self.q_size, spec.hidden_size, spec.o_bias, device, dtype)
+        self.fused: CpuFusedOps | None = None  # set by use_fused_ops()
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype)
@@ -189,11 +195,16 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = self._rope(q, rope), self._rope(k, rope)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        if self.fused is not None and (out := self.fused.rope(x, *rope)) is not None:
+            return out
+        return apply_rope(x, rope)
 
 
 class LlamaMLP(nn.Module):
@@ -202,9 +213,13 @@ class LlamaMLP(nn.Module):
         size = spec.intermediate_size
         self.gate_up_proj = _linear(spec.hidden_size, 2 * size, spec.mlp_bias, device, dtype)
         self.down_proj = _linear(size, spec.hidden_size, spec.mlp_bias, device, dtype)
+        self.fused: CpuFusedOps | None = None  # set by use_fused_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.fused is not None and (act := self.fused.silu_mul(gate_up)) is not None:
+            return self.down_proj(act)
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] temporary less
 
 
@@ -290,6 +305,13 @@ class LlamaForCausalLM(nn.Module):
             return self.packed_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def use_fused_ops(self, ops: CpuFusedOps | None) -> None:
+        """Run RMSNorm, SiLU-and-mul and rope through `ops` where they cover the call (None:
+        torch everywhere)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | LlamaMLP | LlamaAttention):
+                module.fused = ops
 
     def pack_for_cpu(self) -> None:
         """Run every projection and the LM head on oneDNN with packed weights (see

@@ -91,15 +91,21 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the native kernel needs g++")
-def test_these_scenarios_decode_through_the_native_cpu_kernel(tiny_model_dir, monkeypatch):
+def test_these_scenarios_run_the_native_cpu_kernels(tiny_model_dir, monkeypatch):
     engine = make_engine(tiny_model_dir)
     backend = engine.runner.attn_backend
     assert backend.name == "cpu"
     calls = []
     kernel = backend._decode_fn
     monkeypatch.setattr(backend, "_decode_fn", lambda *args: calls.append(args) or kernel(*args))
+    fused = engine.runner.model.model.layers[0].mlp.fused
+    assert fused is not None  # RMSNorm, SiLU-and-mul and rope run fused too
+    covered = []
+    silu_mul = fused.silu_mul
+    monkeypatch.setattr(fused, "silu_mul", lambda x: covered.append(silu_mul(x)) or covered[-1])
     engine.generate(random_prompts(2, seed=3), GREEDY)
     assert len(calls) >= 11 * 2  # every decode step, in each of the 2 layers
+    assert covered and all(out is not None for out in covered)
 
 
 def test_one_prompt_matches_hf(tiny_model_dir, hf_model):
