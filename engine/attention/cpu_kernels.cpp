@@ -1,9 +1,11 @@
-// Paged decode attention for the CPU: one query token per sequence, K/V read in place from
-// the paged pool through each sequence's block table (no gather into a dense copy).
+// kvshare's native CPU kernels: paged decode attention (one query token per sequence, K/V read
+// in place from the paged pool through each sequence's block table, no gather into a dense
+// copy) and the Llama block's fused elementwise ops (RMSNorm, SiLU-and-mul, rope; at the end).
 //
 // Built on first use by engine/attention/cpu_native.py (g++ -O3 -march=native -fopenmp) and
 // called through ctypes with raw pointers to contiguous tensors.
 //
+// Decode attention.
 // Shapes (the attention interface's axes):
 //   query [B, H, D], out [B, H, D]
 //   k_cache, v_cache [num_blocks, block_size, Hkv, D]

@@ -5,7 +5,8 @@ runs SDPA under a padding mask: on this CPU that is most of a decode step's non-
 time. `cpu_kernels.cpp` reads K/V in place through the block tables instead. It is compiled
 on first use with the system C++ compiler (-march=native, OpenMP) into the kvshare cache
 dir, keyed by a hash of the source, the flags and the compiler, then loaded with ctypes.
-Prefill chunks, KV stores and block copies stay on the torch path.
+Prefill chunks, KV stores and block copies stay on the torch path. The same library carries
+the fused RMSNorm / SiLU-and-mul / rope that engine/models/cpu_fused.py wraps for the model.
 
 No compiler, a failed build, or a shape/dtype the kernel does not cover (float16, head dims
 other than 64/128, more than 8 query heads per KV head) all fall back to the torch path, so
