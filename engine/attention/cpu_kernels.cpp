@@ -325,6 +325,15 @@ void rope(const T* x, int64_t row_stride, const T* cos, const T* sin, T* out, in
   }
 }
 
+// Calls run(T{}) with T the storage type of a dtype code (0 = float32, 1 = bfloat16) and
+// returns its status; 1 for an unknown code.
+template <typename Run>
+int with_dtype(int dtype, Run&& run) {
+  if (dtype == 0) return run(float{});
+  if (dtype == 1) return run(bf16{});
+  return 1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -334,72 +343,48 @@ int kvshare_supports_shape(int head_dim, int group) {
   return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= 8;
 }
 
-// dtype: 0 = float32, 1 = bfloat16. Returns 0 on success, 1 for an unknown dtype, 2 for a
-// shape kvshare_supports_shape() refuses.
+// Every entry point takes a dtype code (0 = float32, 1 = bfloat16) and returns 0 on success,
+// 1 for an unknown dtype; paged decode also 2 for a shape kvshare_supports_shape() refuses.
 int kvshare_paged_decode(int dtype, const void* query, const void* k_cache, const void* v_cache,
                          const int32_t* block_tables, const int32_t* seq_lens, void* out,
                          int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                          int block_size, int max_blocks, float scale, int num_threads) {
   const Shape s{num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks};
-  if (dtype == 0) {
-    return dispatch_head_dim(static_cast<const float*>(query), static_cast<const float*>(k_cache),
-                             static_cast<const float*>(v_cache), block_tables, seq_lens,
-                             static_cast<float*>(out), s, scale, num_threads);
-  }
-  if (dtype == 1) {
-    return dispatch_head_dim(static_cast<const bf16*>(query), static_cast<const bf16*>(k_cache),
-                             static_cast<const bf16*>(v_cache), block_tables, seq_lens,
-                             static_cast<bf16*>(out), s, scale, num_threads);
-  }
-  return 1;
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return dispatch_head_dim(static_cast<const T*>(query), static_cast<const T*>(k_cache),
+                             static_cast<const T*>(v_cache), block_tables, seq_lens,
+                             static_cast<T*>(out), s, scale, num_threads);
+  });
 }
 
-// The fused ops; dtype as above. Return 0, or 1 for an unknown dtype.
 int kvshare_rms_norm(int dtype, const void* x, const void* weight, void* out, int64_t rows,
                      int dim, float eps, int num_threads) {
-  if (dtype == 0) {
-    rms_norm(static_cast<const float*>(x), static_cast<const float*>(weight),
-             static_cast<float*>(out), rows, dim, eps, num_threads);
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm(static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<T*>(out), rows,
+             dim, eps, num_threads);
     return 0;
-  }
-  if (dtype == 1) {
-    rms_norm(static_cast<const bf16*>(x), static_cast<const bf16*>(weight),
-             static_cast<bf16*>(out), rows, dim, eps, num_threads);
-    return 0;
-  }
-  return 1;
+  });
 }
 
 int kvshare_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int inter,
                      int num_threads) {
-  if (dtype == 0) {
-    silu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter,
-             num_threads);
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul(static_cast<const T*>(gate_up), static_cast<T*>(out), rows, inter, num_threads);
     return 0;
-  }
-  if (dtype == 1) {
-    silu_mul(static_cast<const bf16*>(gate_up), static_cast<bf16*>(out), rows, inter,
-             num_threads);
-    return 0;
-  }
-  return 1;
+  });
 }
 
 int kvshare_rope(int dtype, const void* x, int64_t row_stride, const void* cos, const void* sin,
                  void* out, int64_t tokens, int heads, int head_dim, int num_threads) {
-  if (dtype == 0) {
-    rope(static_cast<const float*>(x), row_stride, static_cast<const float*>(cos),
-         static_cast<const float*>(sin), static_cast<float*>(out), tokens, heads, head_dim,
-         num_threads);
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    rope(static_cast<const T*>(x), row_stride, static_cast<const T*>(cos),
+         static_cast<const T*>(sin), static_cast<T*>(out), tokens, heads, head_dim, num_threads);
     return 0;
-  }
-  if (dtype == 1) {
-    rope(static_cast<const bf16*>(x), row_stride, static_cast<const bf16*>(cos),
-         static_cast<const bf16*>(sin), static_cast<bf16*>(out), tokens, heads, head_dim,
-         num_threads);
-    return 0;
-  }
-  return 1;
+  });
 }
 
 }  // extern "C"

@@ -38,7 +38,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 if platform.machine() in ("x86_64", "AMD64"):
     # GCC's default tuning splits 512-bit vectors on some x86 CPUs (Zen 4); ask for whole ones.
     FLAGS += ("-mprefer-vector-width=512",)
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype argument
 
 
 class NativeBuildError(RuntimeError):
@@ -69,7 +69,7 @@ class CpuNativeBackend(TorchRefBackend):
         query = query.contiguous()
         tables = meta.block_tables[:num_seqs].to(torch.int32).contiguous()  # [B, max_blocks]
         seq_lens = meta.seq_lens[:num_seqs].to(torch.int32).contiguous()  # [B]
-        dtype_code = _DTYPE_CODES[query.dtype]
+        dtype_code = DTYPE_CODES[query.dtype]
         out = torch.empty_like(query)
         status = self._decode_fn(
             dtype_code,
@@ -101,7 +101,7 @@ class CpuNativeBackend(TorchRefBackend):
         tables = meta.block_tables[:num_seqs]
         max_block_id = int(tables.max()) if tables.numel() else 0
         return (
-            query.dtype in _DTYPE_CODES
+            query.dtype in DTYPE_CODES
             and query.device.type == "cpu"
             and k_cache.dtype == v_cache.dtype == query.dtype
             and k_cache.shape == v_cache.shape

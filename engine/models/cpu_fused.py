@@ -14,7 +14,8 @@ import ctypes
 
 import torch
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+from engine.attention.cpu_native import DTYPE_CODES
+
 _LANES = 16  # the kernels' vector width in floats: row lengths must be multiples of it
 
 
@@ -30,7 +31,7 @@ class CpuFusedOps:
             return None
         out = torch.empty_like(x)
         self._library.kvshare_rms_norm(
-            _DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), out.data_ptr(),
             x.shape[0], x.shape[1], eps, torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -42,7 +43,7 @@ class CpuFusedOps:
         num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((num_tokens, inter), dtype=gate_up.dtype)
         self._library.kvshare_silu_mul(
-            _DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
+            DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
             num_tokens, inter, torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -52,7 +53,7 @@ class CpuFusedOps:
         contiguous, as llama.apply_rope."""
         num_tokens, num_heads, head_dim = x.shape
         half = head_dim // 2
-        if x.dtype not in _DTYPE_CODES or x.device.type != "cpu" or half % _LANES:
+        if x.dtype not in DTYPE_CODES or x.device.type != "cpu" or half % _LANES:
             return None
         if x.stride(2) != 1 or x.stride(1) != head_dim:  # heads side by side in each row
             return None
@@ -62,7 +63,7 @@ class CpuFusedOps:
             return None
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype)
         self._library.kvshare_rope(
-            _DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+            DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
             out.data_ptr(), num_tokens, num_heads, head_dim, torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -72,7 +73,7 @@ def _covers(t: torch.Tensor, ndim: int) -> bool:
     """A contiguous CPU tensor of a supported dtype whose rows are whole vectors."""
     return (
         t.dim() == ndim
-        and t.dtype in _DTYPE_CODES
+        and t.dtype in DTYPE_CODES
         and t.device.type == "cpu"
         and t.is_contiguous()
         and t.shape[-1] % _LANES == 0
