@@ -32,6 +32,7 @@ from torch import nn
 
 from engine.attention.base import AttentionMetadata
 from engine.batch import SchedulerOutput
+from engine.transfer import stage
 
 if TYPE_CHECKING:  # imported lazily at run time: the module imports triton
     from engine.attention.triton_backend import TritonBackend
@@ -170,8 +171,10 @@ class DecodeBuffers:
                 f"{size} rows x {width} blocks do not fit buffers of "
                 f"{self.max_batch_size} x {self.max_blocks_per_seq}"
             )
-        longs = self._host([*rows.input_ids, *rows.positions, *rows.slot_mapping], torch.int64)
-        ints = self._host([*rows.seq_lens, *rows.block_tables], torch.int32)
+        # Pinned staging: the copies into the static buffers below do not block the host.
+        long_values = [*rows.input_ids, *rows.positions, *rows.slot_mapping]
+        longs = stage(long_values, torch.int64, self.device)
+        ints = stage([*rows.seq_lens, *rows.block_tables], torch.int32, self.device)
         self.input_ids[:size].copy_(longs[:size], non_blocking=True)
         self.positions[:size].copy_(longs[size : 2 * size], non_blocking=True)
         self.slot_mapping[:size].copy_(longs[2 * size :], non_blocking=True)
@@ -195,11 +198,6 @@ class DecodeBuffers:
             query_start_loc_host=list(range(batch_size + 1)),
             seq_lens_host=[max_seq_len] * batch_size,
         )
-
-    def _host(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype)
-        # pinned memory makes the copies asynchronous: no host sync on the hot path
-        return host.pin_memory() if self.device.type == "cuda" else host
 
 
 class CudaGraphRunner:

@@ -13,12 +13,15 @@ from collections.abc import Sequence
 import torch
 
 
+def stage(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D host tensor of `values`, pinned when it is bound for a CUDA device."""
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory() if device.type == "cuda" else host
+
+
 def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A 1-D tensor of `values` on `device`, copied without blocking the host."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return stage(values, dtype, device).to(device, non_blocking=True)
 
 
 def split_to_device(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:

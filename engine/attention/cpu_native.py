@@ -23,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -45,6 +46,17 @@ class NativeBuildError(RuntimeError):
     """The kernel library could not be compiled or loaded; the message says why."""
 
 
+@dataclass(frozen=True)
+class _StepTables:
+    """A step's decode rows as the kernel reads them, converted and checked once per step."""
+
+    meta: AttentionMetadata  # every layer of a step shares this object
+    block_tables: torch.Tensor  # [B, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [B] int32, contiguous
+    max_seq_len: int
+    max_block_id: int
+
+
 class CpuNativeBackend(TorchRefBackend):
     """TorchRefBackend whose decode attention runs in the native paged kernel."""
 
@@ -54,6 +66,7 @@ class CpuNativeBackend(TorchRefBackend):
         self.library = library  # its fused elementwise ops serve the model (cpu_fused.py)
         self._decode_fn = library.kvshare_paged_decode
         self._supports_shape = library.kvshare_supports_shape
+        self._step: _StepTables | None = None
 
     def _decode(
         self,
@@ -64,27 +77,25 @@ class CpuNativeBackend(TorchRefBackend):
         scale: float,
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = query.shape
-        if not self._covers(query, k_cache, v_cache, meta):
+        step = self._step_tables(meta, num_seqs)
+        if not self._covers(query, k_cache, v_cache, step):
             return super()._decode(query, k_cache, v_cache, meta, scale)
         query = query.contiguous()
-        tables = meta.block_tables[:num_seqs].to(torch.int32).contiguous()  # [B, max_blocks]
-        seq_lens = meta.seq_lens[:num_seqs].to(torch.int32).contiguous()  # [B]
-        dtype_code = DTYPE_CODES[query.dtype]
         out = torch.empty_like(query)
         status = self._decode_fn(
-            dtype_code,
+            DTYPE_CODES[query.dtype],
             query.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            tables.data_ptr(),
-            seq_lens.data_ptr(),
+            step.block_tables.data_ptr(),
+            step.seq_lens.data_ptr(),
             out.data_ptr(),
             num_seqs,
             num_heads,
             k_cache.shape[2],
             head_dim,
             k_cache.shape[1],
-            tables.shape[1],
+            step.block_tables.shape[1],
             scale,
             torch.get_num_threads(),
         )
@@ -92,14 +103,23 @@ class CpuNativeBackend(TorchRefBackend):
             raise RuntimeError(f"native paged decode failed with status {status}")
         return out
 
-    def _covers(self, query, k_cache, v_cache, meta: AttentionMetadata) -> bool:
+    def _step_tables(self, meta: AttentionMetadata, num_seqs: int) -> _StepTables:
+        if self._step is None or self._step.meta is not meta:
+            tables = meta.block_tables[:num_seqs]
+            self._step = _StepTables(
+                meta,
+                tables.to(torch.int32).contiguous(),
+                meta.seq_lens[:num_seqs].to(torch.int32).contiguous(),
+                max(meta.seq_lens_host[:num_seqs], default=0),
+                int(tables.max()) if tables.numel() else 0,
+            )
+        return self._step
+
+    def _covers(self, query, k_cache, v_cache, step: _StepTables) -> bool:
         """Whether the kernel handles this call; it reads raw pointers, so check everything
         it assumes (anything else takes the torch path)."""
-        num_seqs, num_heads, head_dim = query.shape
+        _, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-        max_len = max(meta.seq_lens_host[:num_seqs], default=0)
-        tables = meta.block_tables[:num_seqs]
-        max_block_id = int(tables.max()) if tables.numel() else 0
         return (
             query.dtype in DTYPE_CODES
             and query.device.type == "cpu"
@@ -109,8 +129,8 @@ class CpuNativeBackend(TorchRefBackend):
             and v_cache.is_contiguous()
             and num_heads % num_kv_heads == 0
             and bool(self._supports_shape(head_dim, num_heads // num_kv_heads))
-            and max_len <= meta.block_tables.shape[1] * block_size
-            and max_block_id < num_blocks
+            and step.max_seq_len <= step.block_tables.shape[1] * block_size
+            and step.max_block_id < num_blocks
         )
 
 

@@ -27,13 +27,17 @@ def get_attention_backend(
     (logged fallback to torch when it does not); torch otherwise.
 
     build_dir is where the cpu backend's kernel library is compiled and cached (default:
-    ~/.cache/kvshare/kernels). Raises ValueError for an unknown name, for "cpu" off the CPU or
-    when its kernel cannot be built, or for "triton" where it cannot run: Triton is not
+    kernels/ in the kvshare cache dir). Raises ValueError for an unknown name, for "cpu" off
+    the CPU or when its kernel cannot be built, or for "triton" where it cannot run: Triton is not
     installed, or the device is not CUDA and TRITON_INTERPRET=1 is not set.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention backend must be one of {BACKEND_NAMES}, got {name!r}")
-    build_dir = build_dir or Path("~/.cache/kvshare/kernels").expanduser()
+    if build_dir is None:
+        from engine.config import EngineConfig
+        from engine.loader import kvshare_cache_dir
+
+        build_dir = kvshare_cache_dir(EngineConfig()) / "kernels"
     if name == "auto" and device.type == "cpu":
         return _cpu_or_torch(build_dir)
     if name == "auto":

@@ -282,7 +282,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not spec.tie_word_embeddings:
             self.lm_head = _linear(spec.hidden_size, spec.vocab_size, False, device, dtype)
-        self.packed_head: PackedLinear | None = None  # set by pack_for_cpu()
 
     def forward(
         self,
@@ -301,10 +300,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, E] -> logits [N, V] in fp32 (select the rows first)."""
-        if self.packed_head is not None:
-            return self.packed_head(hidden).float()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied and not packed
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def use_fused_ops(self, ops: CpuFusedOps | None) -> None:
         """Run RMSNorm, SiLU-and-mul and rope through `ops` where they cover the call (None:
@@ -318,9 +316,8 @@ class LlamaForCausalLM(nn.Module):
         cpu_linear.py); call after load_weights, when can_pack() says so."""
         pack_linears(self.model)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.packed_head = PackedLinear(head, None)
-        # An untied head lives on only packed; a tied one is a packed copy of the embedding.
-        self.lm_head = None
+        # A tied head becomes a packed copy of the embedding (the lookup keeps the plain table).
+        self.lm_head = PackedLinear(head, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; raise if any part stays unset.
