@@ -25,6 +25,11 @@ QUESTIONS = [
 ]
 
 
+def random_prompt(length: int, seed: int = 0) -> list[int]:
+    """Token ids in [3, 256) for the tiny random test models (ids 0-2 are their specials)."""
+    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
     """HF generate, greedy, never stopping early (EOS ignored): the generated token ids."""
     device = hf_model.device

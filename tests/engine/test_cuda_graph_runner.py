@@ -30,6 +30,7 @@ from engine.cuda_graph_runner import (
 )
 from engine.model_runner import ModelRunner, prepare_inputs
 from engine.sampling_params import SamplingParams
+from tests.oracle import random_prompt
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -246,10 +247,6 @@ def make_runner(model_dir, **overrides) -> ModelRunner:
     return ModelRunner(EngineConfig(**{**settings, **overrides}))
 
 
-def prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @dataclass
 class Seq:
     seq_id: int
@@ -265,7 +262,7 @@ class Seq:
         return ScheduledSeq(self.seq_id, self.output[-1:], position, self.block_ids, spec)
 
 
-PROMPTS = [prompt(5, 0), prompt(13, 1), prompt(21, 2), prompt(9, 3)]
+PROMPTS = [random_prompt(5, 0), random_prompt(13, 1), random_prompt(21, 2), random_prompt(9, 3)]
 ARRIVALS = [0, 0, 0, 2]  # prompt 3 joins at step 2: that step mixes decodes and a prefill
 NUM_NEW = 6
 # decode-only steps: 1 (3 seqs), 3-5 (4 seqs), 6-7 (prompt 3 alone)

@@ -13,8 +13,9 @@ from engine.batch import ScheduledSeq
 from engine.config import EngineConfig
 from engine.loader import load_model
 from engine.model_runner import prepare_inputs
-from engine.models.cpu_linear import can_pack
+from engine.models.cpu_linear import PackedLinear, can_pack
 from engine.models.llama import LlamaSpec, rope_inv_freq
+from tests.oracle import random_prompt
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -76,15 +77,11 @@ def hf_logits(model_dir, token_ids, dtype=torch.float32) -> torch.Tensor:
         return hf(torch.tensor([token_ids])).logits[0].float()
 
 
-def prompt(length: int, seed: int = 0) -> list[int]:
-    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_full_sequence_logits_match_hf(variant, make_tiny_model, make_step):
     arch, overrides = VARIANTS[variant]
     model_dir = make_tiny_model(arch, **overrides)
-    ids = prompt(29)
+    ids = random_prompt(29)
     ours = Paged(model_dir).run(make_step, [ScheduledSeq(0, ids, 0, [5, 2, 9, 11])])
     torch.testing.assert_close(ours, hf_logits(model_dir, ids), atol=1e-4, rtol=1e-4)
 
@@ -94,12 +91,12 @@ def test_full_sequence_logits_match_hf(variant, make_tiny_model, make_step):
 def test_packed_cpu_weights_still_match_hf(variant, make_tiny_model, make_step):
     arch, overrides = VARIANTS[variant]
     model_dir = make_tiny_model(arch, **overrides)
-    ids = prompt(21, seed=4)
+    ids = random_prompt(21, seed=4)
     paged = Paged(model_dir)
     paged.loaded.model.pack_for_cpu()
     model = paged.loaded.model
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert model.lm_head is None and model.packed_head is not None
+    assert isinstance(model.lm_head, PackedLinear)  # the LM head too, tied or not
     ours = paged.run(make_step, [ScheduledSeq(0, ids, 0, [4, 1, 6])])
     torch.testing.assert_close(ours, hf_logits(model_dir, ids), atol=1e-4, rtol=1e-4)
 
@@ -108,7 +105,7 @@ def test_packed_cpu_weights_still_match_hf(variant, make_tiny_model, make_step):
 def test_chunked_prefill_through_the_cache_matches_hf(variant, make_tiny_model, make_step):
     arch, overrides = VARIANTS[variant]
     model_dir = make_tiny_model(arch, **overrides)
-    ids = prompt(30, seed=1)
+    ids = random_prompt(30, seed=1)
     paged, table = Paged(model_dir), [7, 3, 12, 1]
     first = paged.run(make_step, [ScheduledSeq(0, ids[:11], 0, table[:2])])
     rest = paged.run(make_step, [ScheduledSeq(0, ids[11:], 11, table)])
@@ -118,7 +115,7 @@ def test_chunked_prefill_through_the_cache_matches_hf(variant, make_tiny_model, 
 
 def test_batch_of_decodes_and_prefills_matches_hf(make_tiny_model, make_step):
     model_dir = make_tiny_model("llama")
-    a, b, c = prompt(20, seed=2), prompt(9, seed=3), prompt(14, seed=4)
+    a, b, c = random_prompt(20, seed=2), random_prompt(9, seed=3), random_prompt(14, seed=4)
     paged = Paged(model_dir)
     # Step 1 caches a[:19] and b[:8]; step 2 decodes their last tokens beside c's prefill.
     paged.run(make_step, [ScheduledSeq(0, a[:19], 0, [0, 1, 2]), ScheduledSeq(1, b[:8], 0, [3])])
@@ -135,7 +132,7 @@ def test_batch_of_decodes_and_prefills_matches_hf(make_tiny_model, make_step):
 
 def test_bfloat16_forward_tracks_hf_bfloat16(make_tiny_model, make_step):
     model_dir = make_tiny_model("llama")
-    ids = prompt(24, seed=5)
+    ids = random_prompt(24, seed=5)
     ours = Paged(model_dir, dtype=torch.bfloat16).run(
         make_step, [ScheduledSeq(0, ids, 0, [0, 1, 2])]
     )

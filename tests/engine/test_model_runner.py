@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, kv_bytes_per_token, prepare_inputs
 from engine.sampling_params import SamplingParams
 from tests import oracle
+from tests.oracle import random_prompt
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -29,10 +30,6 @@ def make_runner(model_dir, **overrides) -> ModelRunner:
 def hf_greedy(model_dir, prompt: list[int], max_new_tokens: int) -> list[int]:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return oracle.hf_greedy(hf, prompt, max_new_tokens)
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @dataclass
@@ -86,7 +83,7 @@ def run_until(scheduler: MiniScheduler, seqs: list[Seq], num_new: int, make_step
 
 def test_greedy_decoding_matches_hf_generate(tiny_llama_dir, make_step):
     runner = make_runner(tiny_llama_dir)
-    seqs = [Seq(0, prompt(5, 0)), Seq(1, prompt(13, 1)), Seq(2, prompt(21, 2))]
+    seqs = [Seq(0, random_prompt(5, 0)), Seq(1, random_prompt(13, 1)), Seq(2, random_prompt(21, 2))]
     scheduler = MiniScheduler(runner, chunk=6)
     scheduler.step(seqs[:1], make_step)  # seq 0 starts early: later steps mix decode + prefill
     run_until(scheduler, seqs, 10, make_step)
@@ -97,11 +94,11 @@ def test_greedy_decoding_matches_hf_generate(tiny_llama_dir, make_step):
 def test_shared_prefix_and_copy_on_write_match_hf(tiny_llama_dir, make_step):
     runner = make_runner(tiny_llama_dir)
     scheduler = MiniScheduler(runner, chunk=32)
-    base = prompt(12, 3)  # fills block 0 and half of block 1
+    base = random_prompt(12, 3)  # fills block 0 and half of block 1
     owner = Seq(0, base)
     scheduler.step([owner], make_step)
     # A second sequence reuses block 0 as is and a private copy (block 5) of the partial block 1.
-    follower = Seq(1, base + prompt(6, 4), block_ids=[0, 5], num_computed=12)
+    follower = Seq(1, base + random_prompt(6, 4), block_ids=[0, 5], num_computed=12)
     scheduler.next_block = 6
     copy_step = make_step([], BLOCK_SIZE, block_copies=[BlockCopy(src=1, dst=5)])
     assert runner.execute(copy_step).sampled == {}
@@ -113,9 +110,9 @@ def test_shared_prefix_and_copy_on_write_match_hf(tiny_llama_dir, make_step):
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny_llama_dir, make_step):
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=64)
-    alone = Seq(0, prompt(9, 5), params, seed=1234)
+    alone = Seq(0, random_prompt(9, 5), params, seed=1234)
     run_until(MiniScheduler(make_runner(tiny_llama_dir), chunk=4), [alone], 8, make_step)
-    crowd = [Seq(i, prompt(4 + 3 * i, 10 + i), params, seed=i) for i in range(1, 4)]
+    crowd = [Seq(i, random_prompt(4 + 3 * i, 10 + i), params, seed=i) for i in range(1, 4)]
     again = Seq(0, alone.prompt, params, seed=1234)
     scheduler = MiniScheduler(make_runner(tiny_llama_dir), chunk=7)
     scheduler.step(crowd, make_step)
@@ -127,21 +124,21 @@ def test_prefill_chunk_without_sample_returns_nothing_and_empty_step_is_a_no_op(
     tiny_llama_dir, make_step
 ):
     runner = make_runner(tiny_llama_dir)
-    chunk = ScheduledSeq(0, prompt(5, 6), 0, [0])
+    chunk = ScheduledSeq(0, random_prompt(5, 6), 0, [0])
     assert runner.execute(make_step([chunk], BLOCK_SIZE)).sampled == {}
     assert runner.execute(SchedulerOutput()).sampled == {}
 
 
 def test_step_past_the_context_window_is_refused(make_tiny_model, make_step):
     runner = make_runner(make_tiny_model(), max_model_len=16)
-    too_long = ScheduledSeq(0, prompt(17, 7), 0, [0, 1, 2])
+    too_long = ScheduledSeq(0, random_prompt(17, 7), 0, [0, 1, 2])
     with pytest.raises(ValueError, match="past max_model_len 16"):
         runner.execute(make_step([too_long], BLOCK_SIZE))
 
 
 def test_step_with_too_few_blocks_is_refused(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir)
-    short_table = ScheduledSeq(0, prompt(9, 7), 0, [0])
+    short_table = ScheduledSeq(0, random_prompt(9, 7), 0, [0])
     step = SchedulerOutput(seqs=[short_table], slot_mapping=list(range(9)))
     with pytest.raises(ValueError, match="has 1 blocks for 9 tokens"):
         runner.execute(step)
@@ -185,7 +182,7 @@ def test_kv_pool_sized_from_bytes_and_described(tiny_llama_dir):
 def test_bfloat16_runner_decodes(tiny_llama_dir, make_step):
     runner = make_runner(tiny_llama_dir, dtype="bfloat16")
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
-    seq = Seq(0, prompt(11, 8))
+    seq = Seq(0, random_prompt(11, 8))
     run_until(MiniScheduler(runner, chunk=16), [seq], 6, make_step)
     expected = hf_greedy(tiny_llama_dir, seq.prompt, 6)
     assert sum(a == b for a, b in zip(seq.output, expected, strict=True)) >= 3
