@@ -159,7 +159,8 @@ class Scheduler:
 
     def stats(self) -> EngineStats:
         """Queue sizes, block usage and counters. Engine thread only (reads live state);
-        fields the scheduler does not know (bytes_per_block, audits, ...) stay default."""
+        fields the scheduler does not fill (bytes_per_block, audits, num_leaked_blocks: the
+        engine counts leaks when idle, a full scan of the pool) stay default."""
         kv = self.kv_cache_manager
         usage = kv.usage
         counters = self.counters
@@ -174,7 +175,6 @@ class Scheduler:
             block_size=kv.block_size,
             kv_usage_watermark=usage.usage_watermark,
             kv_fragmentation_ratio=usage.fragmentation_ratio,
-            num_leaked_blocks=self.num_leaked_blocks(),
             num_preemptions=counters.num_preemptions,
             num_prompt_tokens=counters.num_prompt_tokens,
             num_prefill_tokens=counters.num_prefill_tokens,
