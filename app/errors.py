@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.sampling_params import ParamError
+from engine.core.sampling_params import ParamError
 from engine.tokenizer import ChatTemplateError
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from app.protocol import (
     TopLogprob,
     Usage,
 )
-from engine.protocol import TokenLogprob
+from engine.core.protocol import TokenLogprob
 
 
 @dataclass

@@ -27,8 +27,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace, engine_config) -> int:
+    from engine.core.sampling_params import ParamError, SamplingParams
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import ParamError, SamplingParams
     from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
     try:
@@ -77,8 +77,8 @@ def add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_estimate(args: argparse.Namespace, engine_config) -> int:
-    from engine.loader import _read_hf_config, resolve_max_model_len, resolve_model_dir
-    from engine.model_runner import kv_bytes_per_token
+    from engine.runtime.loader import _read_hf_config, resolve_max_model_len, resolve_model_dir
+    from engine.runtime.model_runner import kv_bytes_per_token
 
     hf_config = _read_hf_config(resolve_model_dir(engine_config))
     dtype = engine_config.dtype if engine_config.dtype != "auto" else "float32"

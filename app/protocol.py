@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import ParamError, SamplingParams
+from engine.core.sampling_params import ParamError, SamplingParams
 
 MAX_N = 128  # choices per prompt; more would only fill the queue
 MAX_STOP_STRINGS = 16  # stop strings are matched on every token

@@ -33,7 +33,7 @@ from app.routes import chat, completions, debug, health, metrics, models
 from app.routes.deps import ServerState
 from app.serving import RequestRecord
 from app.settings import Settings
-from engine.protocol import EngineClient
+from engine.core.protocol import EngineClient
 
 logger = logging.getLogger(__name__)
 access_logger = logging.getLogger("kvshare.access")

@@ -32,7 +32,7 @@ from app.protocol import (
 )
 from app.settings import ServerSettings
 from app.streaming import merge
-from engine.protocol import (
+from engine.core.protocol import (
     CompletionOutput,
     EngineClient,
     EngineRequest,
@@ -40,7 +40,7 @@ from engine.protocol import (
     ModelInfo,
     RequestOutput,
 )
-from engine.sampling_params import ParamError
+from engine.core.sampling_params import ParamError
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)

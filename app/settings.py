@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.serving import build_workload
-from engine.auditor import Auditor
-from engine.config import EngineConfig
+from engine.audit.auditor import Auditor
+from engine.core.config import EngineConfig
+from engine.core.protocol import EngineRequest
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.loader import resolve_model_dir
-from engine.protocol import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.runtime.loader import resolve_model_dir
 
 RATES = (0.0, 0.01, 1.0)
 

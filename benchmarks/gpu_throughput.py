@@ -133,14 +133,14 @@ def make_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list
 
 
 def greedy_params(output_len: int):
-    from engine.sampling_params import SamplingParams
+    from engine.core.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
 
 
 def run_requests(engine, prompts: list[list[int]], output_len: int, tag: str) -> tuple[int, list]:
     """Drive add_request/step to completion: (output tokens, [(step seconds, num seqs)])."""
-    from engine.protocol import EngineRequest
+    from engine.core.protocol import EngineRequest
 
     for i, prompt in enumerate(prompts):
         params = greedy_params(output_len)
@@ -159,7 +159,7 @@ def run_requests(engine, prompts: list[list[int]], output_len: int, tag: str) ->
 
 def bench_engine(args: argparse.Namespace, model_dir: Path, vocab_size: int, results: dict) -> None:
     """Fill `results` as measurements come in: batch-1 decode step time, tokens/s per batch."""
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
     config = EngineConfig(

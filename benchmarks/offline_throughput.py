@@ -30,10 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.loader import resolve_model_dir
-from engine.sampling_params import SamplingParams
+from engine.runtime.loader import resolve_model_dir
 
 _TOPICS = [
     "the history of tea trade routes",

@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
+from engine.core.protocol import EngineRequest, EngineStats, FaultReport, ModelInfo, RequestOutput
+from engine.core.sampling_params import ParamError
 from engine.llm_engine import LLMEngine, validate_request
-from engine.protocol import EngineRequest, EngineStats, FaultReport, ModelInfo, RequestOutput
-from engine.sampling_params import ParamError
 
 logger = logging.getLogger(__name__)
 

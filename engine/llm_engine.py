@@ -8,13 +8,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.auditor import Auditor
-from engine.batch import ModelRunnerOutput, SchedulerOutput
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner
-from engine.protocol import (
+from engine.audit.auditor import Auditor
+from engine.core.batch import ModelRunnerOutput, SchedulerOutput
+from engine.core.config import EngineConfig
+from engine.core.protocol import (
     EngineRequest,
     EngineStats,
     FaultReport,
@@ -23,8 +20,11 @@ from engine.protocol import (
     RequestOutput,
     StepSample,
 )
-from engine.sampling_params import ParamError, SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.sampling_params import ParamError, SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.kv.block_pool import BlockPool
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.runtime.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class LLMEngine:
     Not thread-safe: one thread drives add_request/abort_request/step/inject_fault. stats()
     may be read from another thread (it copies plain numbers).
 
-    The cache auditor (engine/auditor.py) runs inside step(): after the model step, with the
+    The cache auditor (engine/audit/auditor.py) runs inside step(): after the model step, with the
     token budget the step left. has_unfinished_requests() stays True while audits are queued,
     so a driver that steps until it is False also finishes them.
     """
@@ -162,7 +162,7 @@ class LLMEngine:
     def inject_fault(
         self, kind: str, block_id: int | None = None, other_block_id: int | None = None
     ) -> FaultReport:
-        """Fault drill (between steps): corrupt_block | wrong_block, see engine/auditor.py.
+        """Fault drill (between steps): corrupt_block | wrong_block, see engine/audit/auditor.py.
 
         Raises PermissionError unless config.enable_fault_injection, ValueError for an
         unknown kind or a target that is not cached.

@@ -96,7 +96,7 @@ def slots_for(block_ids: list[int], start: int, end: int, block_size: int) -> li
 @pytest.fixture
 def make_step() -> Callable[..., Any]:
     """make_step(seqs, block_size, num_decodes=0) -> SchedulerOutput with its slot_mapping."""
-    from engine.batch import SchedulerOutput
+    from engine.core.batch import SchedulerOutput
 
     def make(seqs, block_size: int, num_decodes: int = 0, block_copies=None):
         slot_mapping = [

@@ -17,17 +17,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 WEB_STACK = ("fastapi", "starlette", "pydantic", "uvicorn")
 TORCH = ("torch", "transformers")
 ENGINE_CORE = (
-    "engine.protocol",
-    "engine.sampling_params",
-    "engine.config",
-    "engine.batch",
-    "engine.block_pool",
+    "engine.core.protocol",
+    "engine.core.sampling_params",
+    "engine.core.config",
+    "engine.core.batch",
+    "engine.kv.block_pool",
     "engine.tokenizer",
-    "engine.sequence",
-    "engine.radix_cache",
-    "engine.kv_cache_manager",
-    "engine.admission",
-    "engine.scheduler",
+    "engine.core.sequence",
+    "engine.kv.radix_cache",
+    "engine.kv.kv_cache_manager",
+    "engine.core.admission",
+    "engine.core.scheduler",
 )
 
 

@@ -12,7 +12,7 @@ from app.errors import SERVER_ERROR, APIError
 from app.metrics import ServerMetrics
 from app.serving import OpenAIServing, RequestRecord, ServedModel
 from app.settings import Settings
-from engine.protocol import EngineClient
+from engine.core.protocol import EngineClient
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tiny_tokenizer import FAKE_TEXTS
 
-from engine.protocol import (
+from engine.core.protocol import (
     CompletionOutput,
     EngineRequest,
     EngineStats,
@@ -26,7 +26,7 @@ from engine.protocol import (
     StepSample,
     TokenLogprob,
 )
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 

@@ -8,7 +8,7 @@ from helpers import MODEL, chat_body, make_settings, open_client, sse_chunks, st
 from openai_schemas import assert_valid
 from tiny_tokenizer import FAKE_TEXTS
 
-from engine.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.anyio
 

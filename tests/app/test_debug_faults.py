@@ -10,8 +10,8 @@ from helpers import open_client
 
 from app.cli import build_parser
 from app.settings import ServerSettings, Settings, flag_overrides, load_settings
-from engine.config import EngineConfig
-from engine.protocol import EngineStats, FaultReport
+from engine.core.config import EngineConfig
+from engine.core.protocol import EngineStats, FaultReport
 
 pytestmark = pytest.mark.anyio
 

@@ -9,7 +9,7 @@ from fake_engine import FakeEngine
 from helpers import chat_body
 
 from app.metrics import ServerMetrics
-from engine.protocol import EngineStats, StepSample
+from engine.core.protocol import EngineStats, StepSample
 
 pytestmark = pytest.mark.anyio
 

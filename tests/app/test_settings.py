@@ -19,7 +19,7 @@ from app.settings import (
     flag_overrides,
     load_settings,
 )
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 CONFIG_FILES = ["default.yaml", "cpu.yaml", "cuda.yaml"]

@@ -53,7 +53,7 @@ REQUIRED_METRICS = {
     "kvshare_step_duration_seconds": "histogram",
     "kvshare_batch_size": "histogram",
 }
-# Label values the expressions may match on (DESIGN.md and engine/protocol.py FinishReason).
+# Label values the expressions may match on (DESIGN.md and engine/core/protocol.py FinishReason).
 LABEL_VALUES = {
     "state": {"free", "private", "shared", "cached", "running", "waiting"},
     "kind": {"corruption", "drift"},

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
+from engine.core.protocol import EngineRequest, FinishReason
+from engine.core.sampling_params import ParamError, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.protocol import EngineRequest, FinishReason
-from engine.sampling_params import ParamError, SamplingParams
 from tests.oracle import hf_greedy
 
 VOCAB = 256

@@ -14,8 +14,8 @@ import random
 
 import pytest
 
+from engine.core.protocol import EngineRequest
 from engine.llm_engine import LLMEngine
-from engine.protocol import EngineRequest
 from tests.engine import test_llm_engine as base
 from tests.engine.test_llm_engine import GREEDY, VOCAB, assert_all_blocks_free, hf_greedy
 

@@ -84,8 +84,8 @@ def server_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     """The embedded SmolLM2 as a safetensors directory (converted once)."""
-    from engine.config import EngineConfig
-    from engine.loader import resolve_model_dir
+    from engine.core.config import EngineConfig
+    from engine.runtime.loader import resolve_model_dir
 
     return str(resolve_model_dir(EngineConfig()))
 

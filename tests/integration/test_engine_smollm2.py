@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
+from engine.core.protocol import EngineRequest
+from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.protocol import EngineRequest
-from engine.sampling_params import SamplingParams
 from tests.oracle import hf_greedy
 
 pytestmark = pytest.mark.integration

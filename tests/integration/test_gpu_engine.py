@@ -30,11 +30,11 @@ pytest.importorskip("triton")
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.core.config import EngineConfig  # noqa: E402
+from engine.core.protocol import EngineRequest, TokenLogprob  # noqa: E402
+from engine.core.sampling_params import SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.model_runner import ModelRunner  # noqa: E402
-from engine.protocol import EngineRequest, TokenLogprob  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.runtime.model_runner import ModelRunner  # noqa: E402
 
 MAX_NUM_SEQS = 16  # captured sizes 1, 2, 4, 8, 16
 HF_TOKENS = 16

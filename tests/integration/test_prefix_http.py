@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.config import EngineConfig
-from engine.loader import resolve_model_dir
+from engine.core.config import EngineConfig
+from engine.runtime.loader import resolve_model_dir
 from tests.integration.conftest import running_server, scrape
 
 pytestmark = pytest.mark.integration

@@ -1,0 +1,386 @@
+"""Shadow audit of the prefix cache: recompute sampled cache hits without the cache, compare,
+and quarantine what is wrong.
+
+What is audited. A sampled fraction (audit_sample_rate; a hash of the request id, so no global
+random state) of first admissions that reused cached tokens (scheduler.CacheHit). The auditor
+takes a reference on the tree blocks the hit reused (they can be neither evicted nor reused
+until compared), asks the runner to keep the logits row the sequence gets at its last prompt
+token, and recomputes the whole prompt, in chunks, into private blocks of its own (allocated
+through the KV cache manager, so the accounting stays exact; never inserted in the tree;
+released afterwards). Then it compares
+  - K and V of every reused block, in every layer, slot by slot (for a partially matching
+    block only its matching leading slots), with the recomputed block at the same position;
+  - the logits row at the last prompt position, and its argmax (the greedy token).
+
+Classification. error = max|cached - recomputed| / max(1, max|recomputed|), per compared block
+(over layers, K and V) and for the logits row: relative, because floating-point differences
+grow with the magnitude of the values (absolute below 1).
+  clean       every error <= the clean tolerance, min(CLEAN_ULPS * machine epsilon,
+              tolerance / 10), and the same greedy token: float32 sums reordered across a
+              few dozen layers stay within CLEAN_ULPS ulps; in half precision one rounding
+              already reaches an ulp, so there clean means within a tenth of the tolerance;
+  drift       every error <= tolerance, but not clean: numerics (the cached path computed the
+              prompt in other chunks and batches, so sums ran in another order), reported but
+              not pollution;
+  corruption  some error > tolerance: the cache gave KV that is not the KV of these tokens.
+Tolerances are per dtype (EngineConfig.audit_tolerance_*): float32 1e-3, float16 0.1, bfloat16
+0.25. Measured on SmolLM2 (30 layers; a 200-token prompt cached in 32-token chunks, recomputed
+in 13-token ones), normal traffic reaches float32 5e-6, float16 0.016, bfloat16 0.071, while
+KV of other tokens (a wrong block) gives 1.5 and noise 4: each threshold sits between, with a
+margin of 3x or more on both sides (200x and 1000x in float32).
+
+On corruption the blocks whose error is beyond tolerance (all reused blocks when only the
+logits are) are quarantined: KVCacheManager.quarantine() drops them from the tree with every
+block cached after them, so no new request can match them, and no sequence will insert them
+again; a warning names the request and the blocks. Requests already reading those blocks keep
+going: their attention has used the KV already, and failing every request that shares a hot
+prefix would turn a detector into an outage; the audit reports them instead.
+
+Cost. Audit tokens run as a separate eager forward after the step, only in the budget the
+step left (max_num_batched_tokens - scheduled tokens) and at most audit_max_tokens_per_step; a
+long prompt takes several steps. Private blocks come only from free or evictable blocks, and
+leave one block per running sequence. A sampled hit beyond audit_max_pending queued audits,
+and an audit that could not progress for MAX_IDLE_STEPS steps (a saturated engine), are
+dropped and counted (num_audits_dropped).
+
+Fault drills (inject_fault; refused unless enable_fault_injection): corrupt_block overwrites a
+cached block's K/V with noise; wrong_block swaps two cached blocks in the tree, so a prefix
+points at KV of other tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.core.batch import ScheduledSeq, SchedulerOutput
+from engine.core.config import EngineConfig
+from engine.core.protocol import FaultReport
+from engine.core.scheduler import CacheHit
+from engine.core.sequence import Sequence
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.runtime.model_runner import ModelRunner
+from engine.runtime.transfer import split_to_device
+
+logger = logging.getLogger(__name__)
+
+CLEAN_ULPS = 64  # clean: within 64 machine epsilons (capped at a tenth of the tolerance)
+MAX_IDLE_STEPS = 64  # an audit that gets no tokens for this many steps is dropped
+FAULT_KINDS = ("corrupt_block", "wrong_block")
+_MAX_RECENT = 10_000
+
+
+class Verdict(enum.StrEnum):
+    CLEAN = "clean"
+    DRIFT = "drift"
+    CORRUPTION = "corruption"
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    request_id: str
+    verdict: Verdict
+    num_cached_tokens: int
+    max_abs_diff: float  # over the compared K/V slots and the logits row
+    max_error: float  # the relative figure that was classified: max of the next two
+    kv_error: float  # over the reused blocks' K/V
+    logits_error: float | None  # None: the logits could not be compared
+    greedy_token_matches: bool | None  # None: the logits could not be compared
+    bad_block_ids: list[int]  # blocks beyond tolerance
+    quarantined_block_ids: list[int]
+
+
+@dataclass
+class AuditCounters:
+    num_audits: int = 0  # completed audits
+    num_corruptions: int = 0
+    num_drifts: int = 0
+    num_dropped: int = 0
+
+
+@dataclass(eq=False)
+class _Audit:
+    audit_id: int
+    hit: CacheHit
+    num_computed_tokens: int = 0
+    private_block_ids: list[int] = field(default_factory=list)
+    recomputed_logits: torch.Tensor | None = None  # [V]
+    cached_logits: torch.Tensor | None = None  # [V]
+    num_idle_steps: int = 0
+
+    @property
+    def holder(self) -> str:
+        return f"audit-{self.audit_id}"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.hit.prompt_token_ids)
+
+    @property
+    def is_recomputed(self) -> bool:
+        return self.num_computed_tokens == self.num_prompt_tokens
+
+
+def is_sampled(request_id: str, sample_rate: float) -> bool:
+    """Deterministic sampling: a hash of the request id against the rate."""
+    if sample_rate >= 1.0:
+        return True
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < sample_rate * 2**64
+
+
+class Auditor:
+    """Owned by LLMEngine, driven on the engine thread: start() with the cache hits of each
+    schedule() (before the runner executes, so that their logits are captured), run() after
+    the step with the token budget it left. Counters may be read from any thread."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        kv_cache_manager: KVCacheManager,
+        get_seq: Callable[[int], Sequence | None],
+    ) -> None:
+        self.sample_rate = config.audit_sample_rate
+        self.max_tokens_per_step = config.audit_max_tokens_per_step
+        self.max_pending = config.audit_max_pending
+        self.tolerance = config.audit_tolerance(str(runner.dtype).removeprefix("torch."))
+        epsilon = torch.finfo(runner.dtype).eps
+        self.clean_tolerance = min(CLEAN_ULPS * epsilon, self.tolerance / 10)
+        self.runner = runner
+        self.kv = kv_cache_manager
+        self._get_seq = get_seq
+        self.counters = AuditCounters()
+        self.recent_results: deque[AuditResult] = deque(maxlen=100)
+        self._pending: deque[_Audit] = deque()
+        self._next_audit_id = 0
+        self._recent_diffs: deque[float] = deque(maxlen=_MAX_RECENT)
+        self._diffs_lock = threading.Lock()
+        self._num_faults = 0
+
+    # -- queue ------------------------------------------------------------------------------
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def start(self, hits: list[CacheHit]) -> None:
+        """Queue an audit for each sampled hit (or count it dropped when the queue is full)."""
+        for hit in hits:
+            if not is_sampled(hit.request_id, self.sample_rate):
+                continue
+            audit = _Audit(self._next_audit_id, hit)
+            self._next_audit_id += 1
+            if len(self._pending) >= self.max_pending or not self.kv.hold_blocks(
+                audit.holder, hit.cached_block_ids
+            ):
+                self.counters.num_dropped += 1
+                continue
+            self.runner.capture_prompt_logits(hit.seq_id)
+            self._pending.append(audit)
+
+    def run(self, num_leftover_tokens: int, num_spare_blocks: int = 0) -> list[AuditResult]:
+        """Advance the queued audits with up to min(num_leftover_tokens, the per-step cap)
+        tokens; finish those whose recompute and cached logits are both in. Private blocks
+        are taken only when num_spare_blocks free or evictable blocks remain besides."""
+        budget = min(num_leftover_tokens, self.max_tokens_per_step)
+        chunks = self._plan_chunks(budget, num_spare_blocks)
+        if chunks:
+            self._recompute(chunks)
+        advanced = {audit.audit_id for audit, _ in chunks}
+        results = []
+        for audit in list(self._pending):
+            if self._is_ready(audit):
+                results.append(self._finish(audit))
+            elif not audit.is_recomputed and audit.audit_id not in advanced:
+                audit.num_idle_steps += 1
+                if audit.num_idle_steps > MAX_IDLE_STEPS:
+                    self._drop(audit)
+        return results
+
+    def drop_all(self) -> None:
+        """Abandon every queued audit (e.g. after an error in one), counting them dropped."""
+        for audit in list(self._pending):
+            self._drop(audit)
+
+    def drain_recent_max_abs_diffs(self) -> list[float]:
+        with self._diffs_lock:
+            diffs = list(self._recent_diffs)
+            self._recent_diffs.clear()
+        return diffs
+
+    def _drop(self, audit: _Audit) -> None:
+        self._release(audit)
+        self.counters.num_dropped += 1
+
+    def _release(self, audit: _Audit) -> None:
+        self._pending.remove(audit)
+        self.kv.release_blocks(audit.holder)
+        self.runner.stop_capture(audit.hit.seq_id)
+
+    # -- recomputation ----------------------------------------------------------------------
+    def _plan_chunks(self, budget: int, num_spare_blocks: int) -> list[tuple[_Audit, int]]:
+        chunks: list[tuple[_Audit, int]] = []
+        for audit in self._pending:
+            num_left = audit.num_prompt_tokens - audit.num_computed_tokens
+            if budget == 0:
+                break
+            if num_left == 0:
+                continue
+            if not audit.private_block_ids:
+                block_ids = self.kv.allocate_held_blocks(
+                    audit.holder, audit.num_prompt_tokens, num_spare_blocks
+                )
+                if block_ids is None:
+                    continue
+                audit.private_block_ids = block_ids
+            num_tokens = min(num_left, budget)
+            chunks.append((audit, num_tokens))
+            budget -= num_tokens
+        return chunks
+
+    def _recompute(self, chunks: list[tuple[_Audit, int]]) -> None:
+        """One eager forward over the chunks, writing only the audits' private blocks."""
+        bs = self.kv.block_size
+        seqs, slots, last = [], [], set()
+        for audit, num_tokens in chunks:
+            start, end = audit.num_computed_tokens, audit.num_computed_tokens + num_tokens
+            block_ids = audit.private_block_ids[: self.kv.num_blocks_for(end)]
+            token_ids = audit.hit.prompt_token_ids[start:end]
+            seqs.append(ScheduledSeq(audit.audit_id, token_ids, start, block_ids))
+            slots += [block_ids[pos // bs] * bs + pos % bs for pos in range(start, end)]
+            if end == audit.num_prompt_tokens:
+                last.add(audit.audit_id)
+        logits = self.runner.run_audit(SchedulerOutput(seqs=seqs, slot_mapping=slots), last)
+        for audit, num_tokens in chunks:
+            audit.num_computed_tokens += num_tokens
+            audit.num_idle_steps = 0
+            audit.recomputed_logits = logits.get(audit.audit_id, audit.recomputed_logits)
+
+    def _is_ready(self, audit: _Audit) -> bool:
+        """Recomputed, and the sequence's own logits are in (or will never come: it finished
+        or failed before its first sample; then K/V alone are compared)."""
+        if not audit.is_recomputed:
+            return False
+        if audit.cached_logits is None:
+            audit.cached_logits = self.runner.take_prompt_logits(audit.hit.seq_id)
+        if audit.cached_logits is not None:
+            return True
+        seq = self._get_seq(audit.hit.seq_id)
+        return seq is None or seq.num_output_tokens > 0
+
+    # -- comparison -------------------------------------------------------------------------
+    def _finish(self, audit: _Audit) -> AuditResult:
+        diffs, errors = self._compare_kv(audit)
+        max_diff, max_error = max(diffs), max(errors)
+        logits_error = greedy_matches = None
+        if audit.cached_logits is not None and audit.recomputed_logits is not None:
+            diff, logits_error, greedy_matches = _compare_logits(
+                audit.cached_logits, audit.recomputed_logits
+            )
+            max_diff, max_error = max(max_diff, diff), max(max_error, logits_error)
+        cached = audit.hit.cached_block_ids
+        bad = [b for b, error in zip(cached, errors, strict=True) if error > self.tolerance]
+        verdict = Verdict.DRIFT
+        if max_error > self.tolerance:
+            verdict = Verdict.CORRUPTION
+        elif max_error <= self.clean_tolerance and greedy_matches is not False:
+            verdict = Verdict.CLEAN
+        quarantined = self._act(audit, verdict, bad or list(cached), max_error)
+        result = AuditResult(
+            audit.hit.request_id, verdict, audit.hit.num_cached_tokens, max_diff, max_error,
+            max(errors), logits_error, greedy_matches, bad, quarantined,
+        )  # fmt: skip
+        self._release(audit)
+        self.recent_results.append(result)
+        with self._diffs_lock:
+            self._recent_diffs.append(result.max_abs_diff)
+        return result
+
+    def _act(self, audit: _Audit, verdict: Verdict, suspects: list[int], error: float) -> list[int]:
+        self.counters.num_audits += 1
+        if verdict is Verdict.DRIFT:
+            self.counters.num_drifts += 1
+        if verdict is not Verdict.CORRUPTION:
+            return []
+        self.counters.num_corruptions += 1
+        quarantined = self.kv.quarantine(suspects)
+        logger.warning(
+            "prefix-cache audit of request %s: corruption (error %.3g > tolerance %.3g) in "
+            "cached blocks %s; quarantined blocks %s",
+            audit.hit.request_id, error, self.tolerance, suspects, quarantined,
+        )  # fmt: skip
+        return quarantined
+
+    def _compare_kv(self, audit: _Audit) -> tuple[list[float], list[float]]:
+        """Per reused block: (max abs diff, error) over every layer's K and V."""
+        bs = self.kv.block_size
+        cached = audit.hit.cached_block_ids
+        num = len(cached)
+        device = self.runner.device
+        cached_ids, private_ids = split_to_device([cached, audit.private_block_ids[:num]], device)
+        valid = torch.ones(num, bs, dtype=torch.bool, device=device)  # [N, bs]
+        valid[-1, audit.hit.num_cached_tokens - (num - 1) * bs :] = False
+        max_diff = torch.zeros(num, device=device)
+        max_error = torch.zeros(num, device=device)
+        with torch.inference_mode():
+            for k_cache, v_cache in self.runner.kv_caches:
+                for cache in (k_cache, v_cache):  # [num_blocks, bs, Hkv, D]
+                    got = cache.index_select(0, cached_ids).float()  # [N, bs, Hkv, D]
+                    want = cache.index_select(0, private_ids).float()
+                    diff = (got - want).abs().amax(dim=(2, 3)).where(valid, 0.0)  # [N, bs]
+                    scale = want.abs().amax(dim=(2, 3)).where(valid, 0.0).amax(1).clamp_min(1.0)
+                    block_diff = _finite_or_inf(diff.amax(1))  # [N]
+                    max_diff = torch.maximum(max_diff, block_diff)
+                    max_error = torch.maximum(max_error, block_diff / scale)
+        return max_diff.tolist(), max_error.tolist()
+
+    # -- fault drills -----------------------------------------------------------------------
+    def inject_fault(
+        self, kind: str, block_id: int | None = None, other_block_id: int | None = None
+    ) -> FaultReport:
+        """Damage the prefix cache on purpose (the caller checks it is allowed). Targets
+        default to the first block of the most recently used cached path; wrong_block's
+        other block defaults to a cached block off that path."""
+        cache = self.kv.prefix_cache
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault kind {kind!r}; use one of {', '.join(FAULT_KINDS)}")
+        if cache is None:
+            raise ValueError("the prefix cache is off: no cached block to damage")
+        path, cached = cache.recent_path_block_ids(), set(cache.tree_block_ids())
+        target = block_id if block_id is not None else next(iter(path), None)
+        if target is None or target not in cached:
+            raise ValueError(f"block {target} is not in the prefix cache")
+        if kind == "corrupt_block":
+            generator = torch.Generator().manual_seed(self._num_faults)
+            self._num_faults += 1
+            self.runner.corrupt_block(target, generator)
+            return FaultReport(kind, [target], f"overwrote the K/V of cached block {target}")
+        other = other_block_id
+        if other is None:
+            off_path = sorted(cached - set(path))
+            other = off_path[0] if off_path else next((b for b in path if b != target), None)
+        if other is None or other == target or other not in cached:
+            raise ValueError(f"wrong_block needs another cached block than {target}, got {other}")
+        cache.swap_blocks(target, other)
+        detail = f"the prefix cache now maps the tokens of block {target} to {other}, and back"
+        return FaultReport(kind, [target, other], detail)
+
+
+def _compare_logits(cached: torch.Tensor, recomputed: torch.Tensor) -> tuple[float, float, bool]:
+    """(max abs diff, error, same argmax) of two [V] logits rows."""
+    diff = _finite_or_inf((cached - recomputed).abs().amax())
+    scale = recomputed.abs().amax().clamp_min(1.0)
+    same = bool(cached.argmax() == recomputed.argmax())
+    return float(diff), float(diff / scale), same
+
+
+def _finite_or_inf(x: torch.Tensor) -> torch.Tensor:
+    """NaN compares false with any tolerance: count it as an infinite difference."""
+    return torch.where(torch.isfinite(x), x, torch.full_like(x, float("inf")))

@@ -1,0 +1,88 @@
+"""Plain-data seam between the scheduler and the model runner: ints and lists only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleSpec:
+    """Sample from the logits at a sequence's last scheduled token.
+
+    `seeds` has one entry per token to draw from that row: 1 normally, n when a request
+    with n choices finishes its prompt (the choices fork afterwards). The draw for seeds[i]
+    is a pure function of (seeds[i], output_index).
+    """
+
+    sampling_params: SamplingParams
+    seeds: list[int]
+    output_index: int  # t: output tokens this sequence already has
+    # References to the sequence's token lists (read only), for penalties.
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of the flattened batch."""
+
+    seq_id: int
+    token_ids: list[int]  # tokens to compute now: a prefill chunk or one decode token
+    start_pos: int  # position of token_ids[0] == tokens already in the KV cache
+    block_ids: list[int]  # block table covering start_pos + len(token_ids) tokens
+    sample: SampleSpec | None = None  # None: a prefill chunk that does not reach the end
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class BlockCopy:
+    """Copy-on-write: copy every slot of block `src` into block `dst` before the forward."""
+
+    src: int
+    dst: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step. Decodes (one token each) come first in `seqs`, then prefill chunks.
+
+    slot_mapping has one KV slot (block_id * block_size + offset) per token, in the order
+    of `seqs` and their token_ids. No slot ever lies in a block that is shared or owned by
+    the prefix tree: the scheduler checks this when it builds the mapping.
+    """
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    num_decodes: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return len(self.slot_mapping)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # log-softmax of the raw logits, when logprobs were asked
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """seq_id -> one SampledToken per seed of its SampleSpec (in order)."""
+
+    sampled: dict[int, list[SampledToken]] = field(default_factory=dict)

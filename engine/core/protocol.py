@@ -1,0 +1,183 @@
+"""The message boundary between app/ and engine/: plain dataclasses, no tensors."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.core.sampling_params import SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # the client went away or the server aborted it
+    ERROR = "error"  # an engine fault touched this request
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as the engine sees it: token ids in, never text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Narrows the prefix-cache namespace (tenant / cache_salt); None shares the model's root.
+    cache_salt: str | None = None
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's logprob (log-softmax of the raw logits) and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    """What one choice produced since the previous RequestOutput (a delta)."""
+
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    # The stop token id that ended the choice, when one did.
+    stop_token_id: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A delta for one request. `finished` is True once every choice has a finish_reason."""
+
+    request_id: str
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class StepSample:
+    """One engine step, for the step-duration and batch-size histograms."""
+
+    duration_s: float
+    num_seqs: int
+    num_tokens: int
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine in plain numbers; app/metrics.py turns it into Prometheus."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    # KV blocks by state; they add up to num_total_blocks.
+    num_total_blocks: int = 0
+    num_free_blocks: int = 0
+    num_private_blocks: int = 0  # refcount 1, not in the prefix tree
+    num_shared_blocks: int = 0  # refcount > 1
+    num_cached_blocks: int = 0  # held only by the prefix tree (evictable)
+    block_size: int = 16
+    bytes_per_block: int = 0
+    kv_usage_watermark: float = 0.0  # peak used fraction since start
+    kv_fragmentation_ratio: float = 0.0  # unused slots in allocated blocks / allocated slots
+    num_leaked_blocks: int = 0
+    # Monotonic counters.
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_prefill_tokens: int = 0  # actually computed
+    num_generation_tokens: int = 0
+    num_cow_copies: int = 0
+    num_evictions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # prompt tokens found
+    num_audits: int = 0
+    num_audit_corruptions: int = 0
+    num_audit_drifts: int = 0
+    num_audits_dropped: int = 0
+    num_quarantined_blocks: int = 0
+    num_write_violations: int = 0  # slot mappings that targeted a shared / cached block
+    finished_by_reason: dict[str, int] = field(default_factory=dict)
+    # Drained on each read: the steps since the previous stats() call.
+    recent_steps: list[StepSample] = field(default_factory=list)
+    recent_audit_max_abs_diffs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FaultReport:
+    """What a fault-injection drill did (POST /debug/faults; off unless enabled)."""
+
+    kind: str  # corrupt_block | wrong_block
+    block_ids: list[int]  # the blocks it touched
+    detail: str
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the front end needs to know about the served model."""
+
+    name: str  # the id served in /v1/models and accepted in requests
+    tokenizer_path: str  # a directory AutoTokenizer / tokenizers can read offline
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    weights_version: str  # changes when other weights load; part of the cache namespace
+
+
+class EngineClient(Protocol):
+    """What app/ uses of the engine. Implemented by AsyncEngine (and fakes in tests).
+
+    generate() yields deltas until one with finished=True; if the consumer stops iterating
+    (client disconnect) the implementation aborts the request and frees its blocks.
+    """
+
+    async def start(self) -> None:
+        """Begin loading the model in the background; returns at once (is_ready tells when)."""
+        ...
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The served model; only valid once is_ready is True."""
+        ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str, choice_index: int | None = None) -> None:
+        """Abort a whole request, or only one of its choices (a stop string ended it)."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def load_error(self) -> str | None:
+        """Why loading failed, if it did (the server then reports it and stays unready)."""
+        ...
+
+    async def shutdown(self) -> None: ...
+
+    async def inject_fault(
+        self, kind: str, block_id: int | None = None, other_block_id: int | None = None
+    ) -> FaultReport:
+        """Drills only: damage the prefix cache between two steps (see engine/audit/auditor.py).
+
+        Raises PermissionError unless the engine was configured with enable_fault_injection,
+        ValueError for an unknown kind or a target the cache does not hold.
+        """
+        ...
+
+
+class EngineFault(RuntimeError):
+    """An error inside a step that failed only the requests it touched."""

@@ -1,0 +1,472 @@
+"""Radix tree over token ids -> KV block ids: the prefix cache (torch-free).
+
+The tree stores KV at block granularity. Every edge covers a whole number of blocks
+(len(token_ids) == len(block_ids) * block_size), so a node can be split only at a block
+boundary and every block the tree owns is full. Children are keyed by the token ids of the
+first block of their edge: two sequences that diverge inside a block are two siblings, and
+each keeps its own cached block.
+
+References: the tree holds exactly one pool reference to every block it owns (incref on
+insert, decref on evict / invalidate / drop) and marks it `set_tree_owned(True)` for as long
+as it holds it. Sequences hold their own references; the tree never touches those. One
+RadixCache per BlockPool (tree ownership in the pool is one flag per block); not
+thread-safe: the engine thread is the only caller.
+
+Namespaces: one root per namespace key (see make_namespace). Nothing is ever shared across
+roots, so two tenants, adapters or weight versions never see each other's KV.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+
+from engine.kv.block_pool import BlockPool
+
+Namespace = Hashable
+
+_node_ids = count()
+
+
+def make_namespace(
+    weights_version: str, adapter: str | None = None, cache_salt: str | None = None
+) -> tuple[str, str, str]:
+    """The namespace key of a request: (weights version, adapter, cache salt)."""
+    return (weights_version, adapter or "", cache_salt or "")
+
+
+@dataclass(eq=False)
+class RadixNode:
+    """One edge of the tree. Callers treat it as an opaque handle for lock()/unlock().
+
+    lock_count counts the locks taken on this node and on every node below it:
+    lock_count == num_own_locks + sum(child.lock_count for child in children).
+    """
+
+    token_ids: tuple[int, ...]
+    block_ids: list[int]
+    parent: RadixNode | None
+    is_root: bool = False
+    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
+    lock_count: int = 0
+    num_own_locks: int = 0
+    last_access: int = 0
+    node_id: int = field(default_factory=lambda: next(_node_ids))
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """The cached prefix of a token sequence.
+
+    full_block_ids: blocks whose block_size tokens all match, in order from position 0.
+        The caller shares them: pool.incref() each one and list it in the block table.
+    partial_block_id / num_partial_tokens: when the match ends inside a block, that block
+        and how many of its leading tokens match (1..block_size-1); None / 0 otherwise.
+        The caller must never write it nor list it in a block table: it copies those tokens'
+        KV into a fresh private block (copy-on-write) and continues the sequence there.
+    last_node: the deepest node the match touched (it holds the partial block when there
+        is one), or None when nothing matched. lock(last_node) protects every matched block,
+        the partial one included, from evict() until the matching unlock(last_node).
+    """
+
+    full_block_ids: tuple[int, ...]
+    partial_block_id: int | None
+    num_partial_tokens: int
+    num_matched_tokens: int
+    last_node: RadixNode | None
+
+
+def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    diffs = (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    return next(diffs, min(len(a), len(b)))
+
+
+class RadixCache:
+    """Prefix cache over a BlockPool; one tree per namespace.
+
+    Mutations: match() changes only access times; insert() takes references, may split
+    edges; evict(), invalidate(), drop_namespace() and reset() drop references. Locks are
+    counted, so several sequences may lock the same path; each lock() needs one unlock().
+
+    Intended use by the KV cache manager, on the engine thread:
+      admit    r = match(ns, prompt, len(prompt) - 1); lock(r.last_node); incref each of
+               r.full_block_ids; copy r.num_partial_tokens tokens of r.partial_block_id
+               into a fresh private block (copy-on-write).
+      compute  after each prefill chunk and at finish: insert(ns, tokens, full block ids).
+      release  decref the sequence's blocks; unlock(r.last_node).
+      pressure evict(n): frees only blocks that no sequence holds and no lock covers.
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._roots: dict[Namespace, RadixNode] = {}
+        self._node_of_block: dict[int, RadixNode] = {}
+        self._clock = 0  # monotonic access counter: LRU order is deterministic
+        self.num_evictions = 0  # blocks freed by evict()
+        self.num_invalidated_blocks = 0  # blocks dropped by invalidate()
+
+    # -- lookup -------------------------------------------------------------------------
+    def match(
+        self, namespace: Namespace, token_ids: Sequence[int], max_num_tokens: int | None = None
+    ) -> MatchResult:
+        """Longest cached prefix of token_ids, compared token by token from position 0.
+
+        At most max_num_tokens tokens are matched (pass len(prompt) - 1 so that at least
+        one prompt token is left to compute and yields logits). Takes no references: the
+        caller increfs the full blocks it uses, and locks last_node before calling
+        evict() or insert() if it needs the partial block to survive until its copy.
+        """
+        root = self._roots.get(namespace)
+        limit = len(token_ids) if max_num_tokens is None else min(len(token_ids), max_num_tokens)
+        self._clock += 1
+        if root is None or limit <= 0:
+            return self._result([], None, 0, None)
+        bs = self.block_size
+        node, block_index, pos = root, 0, 0
+        full_block_ids: list[int] = []
+        last_node: RadixNode | None = None
+        while pos < limit:
+            window = token_ids[pos : min(pos + bs, limit)]
+            if block_index == len(node.block_ids):
+                child = self._best_child(node, window)
+                if child is None:
+                    break
+                node, block_index = child, 0
+            start = block_index * bs
+            num_matching = _common_prefix_len(node.token_ids[start : start + bs], window)
+            if num_matching == 0:
+                break
+            last_node = node
+            if num_matching < bs:
+                return self._result(full_block_ids, node.block_ids[block_index], num_matching, node)
+            full_block_ids.append(node.block_ids[block_index])
+            block_index += 1
+            pos += bs
+        return self._result(full_block_ids, None, 0, last_node)
+
+    def _result(
+        self, full: list[int], partial: int | None, num_partial: int, last: RadixNode | None
+    ) -> MatchResult:
+        self._touch_path(last)
+        num_matched_tokens = len(full) * self.block_size + num_partial
+        return MatchResult(tuple(full), partial, num_partial, num_matched_tokens, last)
+
+    def _best_child(self, node: RadixNode, window: Sequence[int]) -> RadixNode | None:
+        """The child sharing the longest prefix with window (>= 1 token), or None."""
+        if len(window) == self.block_size:
+            exact = node.children.get(tuple(window))
+            if exact is not None:
+                return exact
+        best, best_len = None, 0
+        for child in node.children.values():  # insertion order: ties resolve the same way
+            n = _common_prefix_len(child.token_ids[: self.block_size], window)
+            if n > best_len:
+                best, best_len = child, n
+        return best
+
+    def _touch_path(self, node: RadixNode | None) -> None:
+        while node is not None and not node.is_root:
+            node.last_access = self._clock
+            node = node.parent
+
+    # -- insertion ----------------------------------------------------------------------
+    def insert(
+        self, namespace: Namespace, token_ids: Sequence[int], block_ids: Sequence[int]
+    ) -> int:
+        """Cache a sequence's full blocks; returns how many blocks the tree took over.
+
+        token_ids are the sequence's tokens from position 0 covered by full blocks
+        (len == len(block_ids) * block_size); block_ids[i] holds the KV of block i. Where
+        the tree already has a block for the same tokens, it keeps its own and the
+        sequence's block stays private to the sequence. Where the tokens are new, the tree
+        increfs the sequence's block and marks it tree-owned (so it becomes read-only).
+        The caller keeps its own references either way. Never pass blocks returned by
+        invalidate(): they would be cached again.
+        """
+        bs = self.block_size
+        if len(token_ids) != len(block_ids) * bs:
+            raise ValueError(
+                f"insert needs len(token_ids) == {bs} * len(block_ids), "
+                f"got {len(token_ids)} tokens for {len(block_ids)} blocks"
+            )
+        self._clock += 1
+        node = self._roots.setdefault(namespace, RadixNode((), [], None, is_root=True))
+        index = 0
+        while index < len(block_ids):
+            child = node.children.get(tuple(token_ids[index * bs : (index + 1) * bs]))
+            if child is None:
+                self._add_leaf(node, token_ids[index * bs :], block_ids[index:])
+                return len(block_ids) - index
+            num_blocks = _common_prefix_len(child.token_ids, token_ids[index * bs :]) // bs
+            index += num_blocks
+            if num_blocks < len(child.block_ids) and index < len(block_ids):
+                child = self._split(child, num_blocks)
+            child.last_access = self._clock
+            node = child
+        return 0
+
+    def _add_leaf(
+        self, parent: RadixNode, token_ids: Sequence[int], block_ids: Sequence[int]
+    ) -> None:
+        assert len(set(block_ids)) == len(block_ids), f"block listed twice: {list(block_ids)}"
+        leaf = RadixNode(tuple(token_ids), list(block_ids), parent, last_access=self._clock)
+        for block_id in block_ids:
+            assert not self.pool.is_tree_owned(block_id), f"block {block_id} is already cached"
+            self.pool.incref(block_id)
+            self.pool.set_tree_owned(block_id, True)
+            self._node_of_block[block_id] = leaf
+        parent.children[leaf.token_ids[: self.block_size]] = leaf
+
+    def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
+        """Cut node's edge after num_blocks blocks; returns the new upper node.
+
+        The original object stays the lower part, so lock holders keep a node whose
+        parent chain (now through the upper node) still carries their lock.
+        """
+        bs = self.block_size
+        parent = node.parent
+        assert parent is not None and 0 < num_blocks < len(node.block_ids)
+        upper = RadixNode(
+            node.token_ids[: num_blocks * bs],
+            node.block_ids[:num_blocks],
+            parent,
+            lock_count=node.lock_count,
+            last_access=node.last_access,
+        )
+        parent.children[upper.token_ids[:bs]] = upper
+        node.token_ids = node.token_ids[num_blocks * bs :]
+        node.block_ids = node.block_ids[num_blocks:]
+        node.parent = upper
+        upper.children[node.token_ids[:bs]] = node
+        for block_id in upper.block_ids:
+            self._node_of_block[block_id] = upper
+        return upper
+
+    # -- locking ------------------------------------------------------------------------
+    def lock(self, node: RadixNode) -> None:
+        """Protect node and all its ancestors from evict(); one unlock(node) undoes it."""
+        node.num_own_locks += 1
+        self._add_lock_count(node, 1)
+
+    def unlock(self, node: RadixNode) -> None:
+        assert node.num_own_locks > 0, "unlock without a matching lock"
+        node.num_own_locks -= 1
+        self._add_lock_count(node, -1)
+
+    def _add_lock_count(self, node: RadixNode | None, delta: int) -> None:
+        # Stops at a root, or at the top of a detached subtree (parent None).
+        while node is not None and not node.is_root:
+            node.lock_count += delta
+            assert node.lock_count >= 0
+            node = node.parent
+
+    # -- eviction and removal -----------------------------------------------------------
+    def evict(self, num_blocks: int) -> list[int]:
+        """Free up to num_blocks blocks, least recently used leaves first, tail blocks first.
+
+        Only unlocked leaves whose tail block has refcount 1 (held by the tree alone) are
+        trimmed, so a block a sequence still holds is never taken from the tree. Returns
+        the freed block ids, which are back on the pool's free list.
+        """
+        nodes = (n for root in self._roots.values() for n in self._preorder(root))
+        heap = [(n.last_access, n.node_id, n) for n in nodes if self._is_candidate(n)]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_blocks:
+            _, _, node = heapq.heappop(heap)
+            block_id = node.block_ids[-1]
+            if not self._is_held_by_tree_only(block_id):
+                continue  # a sequence still holds it: evicting frees nothing, keep it cached
+            next_candidate = self._detach(node) if len(node.block_ids) == 1 else node
+            node.block_ids.pop()
+            node.token_ids = node.token_ids[: len(node.block_ids) * self.block_size]
+            self._release_block(block_id)
+            freed.append(block_id)
+            if self._is_candidate(next_candidate):  # the same leaf, or a parent now a leaf
+                entry = (next_candidate.last_access, next_candidate.node_id, next_candidate)
+                heapq.heappush(heap, entry)
+        self.num_evictions += len(freed)
+        return freed
+
+    def _is_candidate(self, node: RadixNode) -> bool:
+        return not node.is_root and not node.children and node.lock_count == 0
+
+    def _is_held_by_tree_only(self, block_id: int) -> bool:
+        return self.pool.refcount(block_id) == 1
+
+    def num_evictable_blocks(self) -> int:
+        """How many blocks evict() would free if asked for all of them right now."""
+        num_below: dict[int, int] = {}
+        is_all_evictable: dict[int, bool] = {}
+        total = 0
+        for root in self._roots.values():
+            for node in reversed(list(self._preorder(root))):
+                children = node.children.values()
+                num = sum(num_below[c.node_id] for c in children)
+                whole = all(is_all_evictable[c.node_id] for c in children)
+                if whole and node.lock_count == 0:
+                    tail = self._num_evictable_tail_blocks(node)
+                    num, whole = num + tail, tail == len(node.block_ids)
+                num_below[node.node_id], is_all_evictable[node.node_id] = num, whole
+            total += num_below[root.node_id]
+        return total
+
+    def _num_evictable_tail_blocks(self, node: RadixNode) -> int:
+        num = 0
+        for block_id in reversed(node.block_ids):
+            if not self._is_held_by_tree_only(block_id):
+                break
+            num += 1
+        return num
+
+    def invalidate(self, block_id: int) -> list[int]:
+        """Drop block_id, the blocks after it on its edge and the whole subtree below.
+
+        Their KV was computed from block_id's, so none of it can be trusted (the auditor's
+        quarantine). Blocks before it on the edge stay cached. The tree's references go;
+        sequences holding these blocks keep theirs (and must not insert them again).
+        Locks held on removed nodes stay valid to unlock. Returns the dropped block ids;
+        [] for a block the tree does not hold (never cached, or already evicted).
+        """
+        node = self._node_of_block.get(block_id)
+        if node is None:
+            return []
+        index = node.block_ids.index(block_id)
+        if index > 0:
+            self._split(node, index)
+        self._detach(node)
+        dropped = self._release_subtree(node)
+        self.num_invalidated_blocks += len(dropped)
+        return dropped
+
+    def drop_namespace(self, namespace: Namespace) -> list[int]:
+        """Forget a namespace's tree (e.g. its weights were unloaded); returns its blocks.
+
+        A later insert() into the same namespace starts a new tree, so the caller stops
+        inserting for sequences of the dropped namespace.
+        """
+        root = self._roots.pop(namespace, None)
+        if root is None:
+            return []
+        dropped: list[int] = []
+        for child in list(root.children.values()):
+            self._detach(child)
+            dropped += self._release_subtree(child)
+        return dropped
+
+    def reset(self) -> list[int]:
+        """Drop every namespace; returns all block ids the tree released."""
+        return [b for namespace in list(self._roots) for b in self.drop_namespace(namespace)]
+
+    def _release_subtree(self, top: RadixNode) -> list[int]:
+        released: list[int] = []
+        for node in self._preorder(top):
+            for block_id in node.block_ids:
+                self._release_block(block_id)
+                released.append(block_id)
+            node.block_ids, node.token_ids = [], ()
+        return released
+
+    def _release_block(self, block_id: int) -> None:
+        del self._node_of_block[block_id]
+        self.pool.set_tree_owned(block_id, False)
+        self.pool.decref(block_id)
+
+    def _detach(self, node: RadixNode) -> RadixNode:
+        """Unhook node from its parent, moving its locks off the ancestors; returns parent."""
+        parent = node.parent
+        key = node.token_ids[: self.block_size]
+        assert parent is not None and parent.children.get(key) is node
+        del parent.children[key]
+        self._add_lock_count(parent, -node.lock_count)
+        node.parent = None
+        return parent
+
+    def swap_blocks(self, block_a: int, block_b: int) -> None:
+        """Fault drills only: make the tree map each block's tokens to the other block.
+
+        Breaks strict matching on purpose (a prefix now points at KV of other tokens) so that
+        the auditor can be seen to catch it; references and ownership stay consistent.
+        """
+        node_a, node_b = self._node_of_block[block_a], self._node_of_block[block_b]
+        index_a, index_b = node_a.block_ids.index(block_a), node_b.block_ids.index(block_b)
+        node_a.block_ids[index_a], node_b.block_ids[index_b] = block_b, block_a
+        self._node_of_block[block_a], self._node_of_block[block_b] = node_b, node_a
+
+    # -- inspection ---------------------------------------------------------------------
+    def recent_path_block_ids(self) -> list[int]:
+        """Blocks from a root down to the most recently used leaf ([] for an empty tree)."""
+        leaves = [
+            node
+            for root in self._roots.values()
+            for node in self._preorder(root)
+            if not node.children and not node.is_root
+        ]
+        if not leaves:
+            return []
+        node: RadixNode | None = max(leaves, key=lambda n: (n.last_access, n.node_id))
+        edges: list[list[int]] = []
+        while node is not None and not node.is_root:
+            edges.append(node.block_ids)
+            node = node.parent
+        return [block_id for edge in reversed(edges) for block_id in edge]
+
+    def tree_block_ids(self) -> list[int]:
+        """Every block the tree holds a reference to, sorted."""
+        return sorted(self._node_of_block)
+
+    @property
+    def num_tree_blocks(self) -> int:
+        return len(self._node_of_block)
+
+    @property
+    def namespaces(self) -> list[Namespace]:
+        return list(self._roots)
+
+    @staticmethod
+    def _preorder(top: RadixNode) -> Iterator[RadixNode]:
+        # Iterative: a long conversation makes a deep path.
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the tree and the pool agree.
+
+        Every tree block is tree-owned with refcount >= 1 and appears once in all trees;
+        every tree-owned pool block is in the tree; edges are whole blocks; children are
+        keyed by their first block and point back to their parent; lock counts add up.
+        """
+        seen: set[int] = set()
+        for root in self._roots.values():
+            assert root.is_root and root.parent is None and not root.block_ids
+            assert root.lock_count == 0 and not root.token_ids
+            for node in self._preorder(root):
+                self._check_node(node, seen)
+        assert seen == set(self._node_of_block), "block index out of sync with the tree"
+        for block_id in range(self.pool.num_blocks):
+            if self.pool.is_tree_owned(block_id):
+                assert block_id in seen, f"block {block_id} tree-owned but not in the tree"
+
+    def _check_node(self, node: RadixNode, seen: set[int]) -> None:
+        bs = self.block_size
+        for key, child in node.children.items():
+            assert child.parent is node, f"node {child.node_id} has a wrong parent"
+            assert key == child.token_ids[:bs], f"node {child.node_id} keyed by {key}"
+        child_locks = sum(child.lock_count for child in node.children.values())
+        if not node.is_root:
+            assert node.block_ids, f"node {node.node_id} has an empty edge"
+            assert node.lock_count == node.num_own_locks + child_locks, "lock counts disagree"
+        assert len(node.token_ids) == len(node.block_ids) * bs, "edge is not whole blocks"
+        assert node.last_access <= self._clock
+        for block_id in node.block_ids:
+            assert block_id not in seen, f"block {block_id} appears twice in the tree"
+            seen.add(block_id)
+            assert self._node_of_block.get(block_id) is node, f"block {block_id} misindexed"
+            assert self.pool.refcount(block_id) >= 1, f"tree block {block_id} is free"
+            assert self.pool.is_tree_owned(block_id), f"tree block {block_id} not tree-owned"

@@ -1,0 +1,390 @@
+// kvshare's native CPU kernels: paged decode attention (one query token per sequence, K/V read
+// in place from the paged pool through each sequence's block table, no gather into a dense
+// copy) and the Llama block's fused elementwise ops (RMSNorm, SiLU-and-mul, rope; at the end).
+//
+// Built on first use by engine/runtime/attention/cpu_native.py (g++ -O3 -march=native -fopenmp) and
+// called through ctypes with raw pointers to contiguous tensors.
+//
+// Decode attention.
+// Shapes (the attention interface's axes):
+//   query [B, H, D], out [B, H, D]
+//   k_cache, v_cache [num_blocks, block_size, Hkv, D]
+//   block_tables [B, max_blocks] int32, seq_lens [B] int32
+// A task is one sequence (or, with few sequences, one of its KV heads). The G = H / Hkv query
+// heads that share a KV head are done together, so each K/V row is read once for all (GQA).
+// Math is fp32 whatever the storage type, in two passes: scores and their softmax, then the
+// weighted sum of V. Vectors are GCC vector extensions of 16 floats, which the compiler maps
+// to AVX-512 (or pairs of AVX2 registers); D must be a multiple of 16.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vfloat __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t vbf16 __attribute__((vector_size(kLanes * 2)));
+using bf16 = uint16_t;
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+inline vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline vfloat load(const bf16* p) {
+  vbf16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  // bf16 is the top half of an fp32: widen and shift.
+  return reinterpret_cast<vfloat>(__builtin_convertvector(raw, vuint) << 16);
+}
+
+inline void store(vfloat v, float* p) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void store(vfloat v, bf16* p) {
+  // Round to nearest even, as torch does (NaN does not occur in attention outputs).
+  vuint bits = reinterpret_cast<vuint>(v);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  const vbf16 narrowed = __builtin_convertvector(bits >> 16, vbf16);
+  std::memcpy(p, &narrowed, sizeof(narrowed));
+}
+
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef float vfloat4 __attribute__((vector_size(16)));
+
+// Horizontal sum as a tree of halves (a loop of scalar adds would be one long dependency chain).
+inline float sum(vfloat v) {
+  const vfloat8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vfloat4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) +
+                     __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+  return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+}
+
+inline float max(vfloat v) {
+  float best = v[0];
+  for (int i = 1; i < kLanes; ++i) best = v[i] > best ? v[i] : best;
+  return best;
+}
+
+// exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+// (relative error < 2e-7), 2^n built in the exponent bits. Below -87 the result flushes to ~0.
+inline vfloat exp_nonpositive(vfloat x) {
+  x = x < -87.f ? splat(-87.f) : x;
+  const float kRound = 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vfloat n = (x * 1.44269504f + kRound) - kRound;
+  const vfloat r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  vfloat p = splat(1.3888889e-3f);
+  p = p * r + 8.3333338e-3f;
+  p = p * r + 4.1666668e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vint exponent = (__builtin_convertvector(n, vint) + 127) << 23;
+  return p * reinterpret_cast<vfloat>(exponent);
+}
+
+struct Shape {
+  int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+};
+
+// Per-thread scratch: scores [G, L] of one KV head's query heads, L rounded up to whole vectors.
+struct Scratch {
+  std::vector<float> scores;
+};
+
+// Softmax of each of `rows` score rows, in place; the padding past seq_len gets weight 0.
+void softmax_rows(float* scores, int rows, int seq_len, int padded_len) {
+  for (int h = 0; h < rows; ++h) {
+    float* row_scores = scores + static_cast<int64_t>(h) * padded_len;
+    for (int t = seq_len; t < padded_len; ++t) row_scores[t] = -1e30f;
+    vfloat best = splat(-1e30f);
+    for (int t = 0; t < padded_len; t += kLanes) {
+      const vfloat v = load(row_scores + t);
+      best = v > best ? v : best;
+    }
+    const float max_score = max(best);
+    vfloat total = splat(0.f);
+    for (int t = 0; t < padded_len; t += kLanes) {
+      const vfloat e = exp_nonpositive(load(row_scores + t) - max_score);
+      store(e, row_scores + t);
+      total += e;
+    }
+    const float inv_total = 1.f / sum(total);
+    for (int t = 0; t < padded_len; t += kLanes) {
+      store(load(row_scores + t) * inv_total, row_scores + t);
+    }
+  }
+}
+
+// One task: one sequence (`query`/`out` are its [H, D] rows), KV heads [kv_begin, kv_end).
+// Each context slot holds the K (V) rows of all KV heads side by side, so a block is read front
+// to back, and each K/V row is converted once for the kGroup query heads that share it; with
+// D and G known at compile time the queries and accumulators stay in registers.
+template <typename T, int kVecs, int kGroup>  // kVecs = D / 16, kGroup = H / Hkv
+void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
+            int kv_begin, int kv_end, const Shape& s, float scale, Scratch& scratch, T* out) {
+  constexpr int kHeadDim = kVecs * kLanes;
+  const int padded_len = (seq_len + kLanes - 1) / kLanes * kLanes;
+  const int64_t slot_stride = static_cast<int64_t>(s.num_kv_heads) * kHeadDim;
+  const int64_t block_stride = slot_stride * s.block_size;
+  float* scores = scratch.scores.data();
+
+  for (int kv = kv_begin; kv < kv_end; ++kv) {
+    const int64_t first_row = static_cast<int64_t>(kv) * kGroup * kHeadDim;
+    // Pass 1: scores [G, L] = scale * q . k.
+    vfloat q[kGroup][kVecs];
+    for (int g = 0; g < kGroup; ++g) {
+      for (int i = 0; i < kVecs; ++i) {
+        q[g][i] = load(query + first_row + g * kHeadDim + i * kLanes) * scale;
+      }
+    }
+    for (int start = 0; start < seq_len; start += s.block_size) {
+      const T* k = k_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
+      const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
+      for (int t = start; t < end; ++t, k += slot_stride) {
+        vfloat row[kVecs];
+        for (int i = 0; i < kVecs; ++i) row[i] = load(k + i * kLanes);
+        for (int g = 0; g < kGroup; ++g) {
+          vfloat dot = q[g][0] * row[0];
+          for (int i = 1; i < kVecs; ++i) dot += q[g][i] * row[i];
+          scores[g * padded_len + t] = sum(dot);
+        }
+      }
+    }
+    softmax_rows(scores, kGroup, seq_len, padded_len);
+    // Pass 2: out [G, D] = sum_t p[g, t] * v[t].
+    vfloat acc[kGroup][kVecs] = {};
+    for (int start = 0; start < seq_len; start += s.block_size) {
+      const T* v = v_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
+      const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
+      for (int t = start; t < end; ++t, v += slot_stride) {
+        vfloat row[kVecs];
+        for (int i = 0; i < kVecs; ++i) row[i] = load(v + i * kLanes);
+        for (int g = 0; g < kGroup; ++g) {
+          const float p = scores[g * padded_len + t];
+          for (int i = 0; i < kVecs; ++i) acc[g][i] += p * row[i];
+        }
+      }
+    }
+    for (int g = 0; g < kGroup; ++g) {
+      for (int i = 0; i < kVecs; ++i) store(acc[g][i], out + first_row + g * kHeadDim + i * kLanes);
+    }
+  }
+}
+
+template <typename T, int kVecs, int kGroup>
+void paged_decode(const T* query, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                  const int32_t* seq_lens, T* out, const Shape& s, float scale, int num_threads) {
+  int max_len = 0;
+  for (int b = 0; b < s.num_seqs; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+  // Whole sequences per task when there are enough to keep every thread busy; otherwise
+  // one KV head per task.
+  const int heads_per_task = s.num_seqs >= 4 * num_threads ? s.num_kv_heads : 1;
+  const int tasks_per_seq = s.num_kv_heads / heads_per_task;
+  const int num_tasks = s.num_seqs * tasks_per_seq;
+  const size_t scratch_size = static_cast<size_t>(kGroup) * ((max_len + kLanes - 1) / kLanes * kLanes);
+#pragma omp parallel num_threads(num_threads)
+  {
+    thread_local Scratch scratch;  // per pool thread, grown to the largest call so far
+    if (scratch.scores.size() < scratch_size) scratch.scores.resize(scratch_size);
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < num_tasks; ++task) {
+      const int b = task / tasks_per_seq;
+      const int kv_begin = (task % tasks_per_seq) * heads_per_task;
+      const int64_t seq_offset = static_cast<int64_t>(b) * s.num_heads * s.head_dim;
+      attend<T, kVecs, kGroup>(query + seq_offset, k_cache, v_cache,
+                               block_tables + b * s.max_blocks, seq_lens[b], kv_begin,
+                               kv_begin + heads_per_task, s, scale, scratch, out + seq_offset);
+    }
+  }
+}
+
+#define KVSHARE_DECODE(VECS, GROUP)                                                        \
+  paged_decode<T, VECS, GROUP>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale, \
+                               num_threads);                                                \
+  return 0
+
+// Instantiates the kernel per (group size, head dim); 2 = a shape this build does not cover.
+template <typename T, int kVecs>
+int dispatch_group(const T* query, const T* k_cache, const T* v_cache,
+                   const int32_t* block_tables, const int32_t* seq_lens, T* out, const Shape& s,
+                   float scale, int num_threads) {
+  switch (s.num_heads / s.num_kv_heads) {
+    case 1: KVSHARE_DECODE(kVecs, 1);
+    case 2: KVSHARE_DECODE(kVecs, 2);
+    case 3: KVSHARE_DECODE(kVecs, 3);
+    case 4: KVSHARE_DECODE(kVecs, 4);
+    case 5: KVSHARE_DECODE(kVecs, 5);
+    case 6: KVSHARE_DECODE(kVecs, 6);
+    case 7: KVSHARE_DECODE(kVecs, 7);
+    case 8: KVSHARE_DECODE(kVecs, 8);
+    default: return 2;
+  }
+}
+
+template <typename T>
+int dispatch_head_dim(const T* query, const T* k_cache, const T* v_cache,
+                      const int32_t* block_tables, const int32_t* seq_lens, T* out,
+                      const Shape& s, float scale, int num_threads) {
+  switch (s.head_dim) {
+    case 64:
+      return dispatch_group<T, 4>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
+                                  num_threads);
+    case 128:
+      return dispatch_group<T, 8>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
+                                  num_threads);
+    default:
+      return 2;
+  }
+}
+
+// ---- Fused elementwise ops of a Llama block -------------------------------------------------
+// Each rounds to the storage type wherever the torch code it replaces (engine/runtime/models/llama.py)
+// does, so bf16 results match torch's up to the last bit of an fp32 intermediate. Rows are
+// contiguous and their lengths multiples of 16 (cpu_fused.py checks before calling).
+
+constexpr int64_t kParallelMin = 1 << 16;  // elements below which threads cost more than they save
+
+template <typename T>
+inline vfloat round_as(vfloat v);
+
+template <>
+inline vfloat round_as<float>(vfloat v) {
+  return v;
+}
+
+template <>
+inline vfloat round_as<bf16>(vfloat v) {
+  vuint bits = reinterpret_cast<vuint>(v);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return reinterpret_cast<vfloat>(bits & 0xffff0000u);
+}
+
+// out = weight * to_T(x * rsqrt(mean(x^2) + eps)), statistics in fp32 (LlamaRMSNorm).
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int dim, float eps,
+              int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = x + r * dim;
+    vfloat squares = splat(0.f);
+    for (int i = 0; i < dim; i += kLanes) {
+      const vfloat v = load(row + i);
+      squares += v * v;
+    }
+    const float inv_rms = 1.f / std::sqrt(sum(squares) / dim + eps);
+    for (int i = 0; i < dim; i += kLanes) {
+      const vfloat normed = round_as<T>(load(row + i) * inv_rms);
+      store(load(weight + i) * normed, out + r * dim + i);
+    }
+  }
+}
+
+// gate_up [rows, 2I] -> out [rows, I] = to_T(silu(gate)) * up.
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = gate_up + r * 2 * inter;
+    const T* up = gate + inter;
+    for (int i = 0; i < inter; i += kLanes) {
+      const vfloat g = load(gate + i);
+      const vfloat e = exp_nonpositive(g < 0.f ? g : -g);  // e^-|g|, never overflows
+      const vfloat sigmoid = g < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+      store(round_as<T>(g * sigmoid) * load(up + i), out + r * inter + i);
+    }
+  }
+}
+
+// Rotate-half rope: x [T, H, D] (token stride row_stride), cos/sin [T, D/2] -> out [T, H, D]
+// contiguous; out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin, each product rounded first.
+template <typename T>
+void rope(const T* x, int64_t row_stride, const T* cos, const T* sin, T* out, int64_t tokens,
+          int heads, int head_dim, int num_threads) {
+  const int half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= kParallelMin)
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int h = 0; h < heads; ++h) {
+      const T* in = x + t * row_stride + h * head_dim;
+      T* dst = out + (t * heads + h) * head_dim;
+      for (int i = 0; i < half; i += kLanes) {
+        const vfloat x1 = load(in + i), x2 = load(in + half + i);
+        const vfloat c = load(cos + t * half + i), s = load(sin + t * half + i);
+        store(round_as<T>(x1 * c) - round_as<T>(x2 * s), dst + i);
+        store(round_as<T>(x2 * c) + round_as<T>(x1 * s), dst + half + i);
+      }
+    }
+  }
+}
+
+// Calls run(T{}) with T the storage type of a dtype code (0 = float32, 1 = bfloat16) and
+// returns its status; 1 for an unknown code.
+template <typename Run>
+int with_dtype(int dtype, Run&& run) {
+  if (dtype == 0) return run(float{});
+  if (dtype == 1) return run(bf16{});
+  return 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Shapes this build handles (the caller falls back to the torch path for others).
+int kvshare_supports_shape(int head_dim, int group) {
+  return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= 8;
+}
+
+// Every entry point takes a dtype code (0 = float32, 1 = bfloat16) and returns 0 on success,
+// 1 for an unknown dtype; paged decode also 2 for a shape kvshare_supports_shape() refuses.
+int kvshare_paged_decode(int dtype, const void* query, const void* k_cache, const void* v_cache,
+                         const int32_t* block_tables, const int32_t* seq_lens, void* out,
+                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                         int block_size, int max_blocks, float scale, int num_threads) {
+  const Shape s{num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks};
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return dispatch_head_dim(static_cast<const T*>(query), static_cast<const T*>(k_cache),
+                             static_cast<const T*>(v_cache), block_tables, seq_lens,
+                             static_cast<T*>(out), s, scale, num_threads);
+  });
+}
+
+int kvshare_rms_norm(int dtype, const void* x, const void* weight, void* out, int64_t rows,
+                     int dim, float eps, int num_threads) {
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm(static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<T*>(out), rows,
+             dim, eps, num_threads);
+    return 0;
+  });
+}
+
+int kvshare_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int inter,
+                     int num_threads) {
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul(static_cast<const T*>(gate_up), static_cast<T*>(out), rows, inter, num_threads);
+    return 0;
+  });
+}
+
+int kvshare_rope(int dtype, const void* x, int64_t row_stride, const void* cos, const void* sin,
+                 void* out, int64_t tokens, int heads, int head_dim, int num_threads) {
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    rope(static_cast<const T*>(x), row_stride, static_cast<const T*>(cos),
+         static_cast<const T*>(sin), static_cast<T*>(out), tokens, heads, head_dim, num_threads);
+    return 0;
+  });
+}
+
+}  // extern "C"

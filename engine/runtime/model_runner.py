@@ -1,0 +1,396 @@
+"""Owns the model and the paged KV tensors; turns a SchedulerOutput into sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.core.batch import (
+    BlockCopy,
+    ModelRunnerOutput,
+    SampleSpec,
+    ScheduledSeq,
+    SchedulerOutput,
+)
+from engine.core.config import EngineConfig
+from engine.core.protocol import ModelInfo
+from engine.core.sampling_params import SamplingParams
+from engine.runtime.attention.base import AttentionMetadata
+from engine.runtime.attention.select import get_attention_backend
+from engine.runtime.cpu.allocator import keep_temporaries_on_heap
+from engine.runtime.cpu.fused import CpuFusedOps
+from engine.runtime.cpu.linear import can_pack
+from engine.runtime.cuda_graph_runner import CudaGraphRunner, graphs_disabled_reason
+from engine.runtime.loader import kvshare_cache_dir, load_model
+from engine.runtime.models.llama import LlamaSpec
+from engine.runtime.sampler import Sampler
+from engine.runtime.transfer import split_to_device
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_BYTES = 1 << 30
+_GIB = float(1 << 30)
+
+
+def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype | str) -> int:
+    """KV bytes one token takes across all layers: 2 (K and V) * layers * Hkv * D * itemsize."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    spec = LlamaSpec.from_hf_config(hf_config)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> cuda when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was requested but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto -> float32 on CPU, bfloat16 on CUDA; otherwise the named torch dtype."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, name)
+
+
+@dataclass
+class StepInputs:
+    """One step's tensors on the device, plus which rows get sampled."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] flattened row of each sampled sequence's last token
+    sample_seq_ids: list[int]
+    sample_specs: list[SampleSpec]
+
+
+def prepare_inputs(sched_out: SchedulerOutput, device: torch.device) -> StepInputs:
+    """Flatten a SchedulerOutput into tensors with a single host-to-device transfer."""
+    seqs = sched_out.seqs
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_start_loc, seq_lens, logits_indices = [0], [], []
+    sampled = [(s.seq_id, s.sample) for s in seqs if s.sample is not None]
+    for seq in seqs:
+        input_ids += seq.token_ids
+        positions += range(seq.start_pos, seq.context_len)
+        query_start_loc.append(query_start_loc[-1] + seq.num_tokens)
+        seq_lens.append(seq.context_len)
+        if seq.sample is not None:
+            logits_indices.append(query_start_loc[-1] - 1)
+    _check_batch(sched_out, len(input_ids))
+    width = max(len(seq.block_ids) for seq in seqs)
+    tables = [b for seq in seqs for b in seq.block_ids + [0] * (width - len(seq.block_ids))]
+    parts = (input_ids, positions, sched_out.slot_mapping, query_start_loc, seq_lens)
+    ids, pos, slots, qsl, lens, logits_rows, table_flat = split_to_device(
+        [*parts, logits_indices, tables], device
+    )
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=qsl.int(),
+        seq_lens=lens.int(),
+        block_tables=table_flat.view(len(seqs), width).int(),
+        num_decodes=sched_out.num_decodes,
+        max_seq_len=max(seq_lens),
+        max_query_len=max(seq.num_tokens for seq in seqs),
+        query_start_loc_host=query_start_loc,
+        seq_lens_host=seq_lens,
+    )
+    return StepInputs(ids, pos, meta, logits_rows, [i for i, _ in sampled], [s for _, s in sampled])
+
+
+def _check_batch(sched_out: SchedulerOutput, num_tokens: int) -> None:
+    # Cheap python checks: a malformed batch would otherwise write KV into wrong slots.
+    if len(sched_out.slot_mapping) != num_tokens:
+        raise ValueError(
+            f"slot_mapping has {len(sched_out.slot_mapping)} slots for {num_tokens} tokens"
+        )
+    if any(seq.num_tokens != 1 for seq in sched_out.seqs[: sched_out.num_decodes]):
+        raise ValueError("every decode sequence must schedule exactly one token")
+
+
+class ModelRunner:
+    """Loads the model, allocates the KV pool, and runs one step at a time.
+
+    Public attributes: device, dtype, model, hf_config, max_model_len, block_size,
+    bytes_per_block, num_kv_blocks, kv_caches (per layer (k, v), each
+    [num_kv_blocks, block_size, Hkv, D]), attn_backend, sampler, model_info, graph_runner
+    (CUDA graphs for decode-only steps; None on the CPU, with enforce_eager or torch attention).
+
+    For the cache auditor: capture_prompt_logits(seq_id) keeps the logits row a sequence gets
+    at its last prompt token (its first sample) for take_prompt_logits(); run_audit() runs a
+    shadow forward into private blocks; corrupt_block() overwrites a block (fault drills).
+    kv_caches are never reallocated after start-up: CUDA graphs hold their pointers.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self._load_model()
+        if self.device.type == "cpu":  # after loading: weights keep their own mappings
+            keep_temporaries_on_heap()
+        self.attn_backend = get_attention_backend(
+            config.attention_backend, self.device, kvshare_cache_dir(config) / "kernels"
+        )
+        if self.attn_backend.name == "cpu":  # its library also has the fused elementwise ops
+            self.model.use_fused_ops(CpuFusedOps(self.attn_backend.library))
+        self.sampler = Sampler(self.model_info.eos_token_ids)
+        self._capture_seq_ids: set[int] = set()  # the auditor's (the warm-up samples too)
+        self._prompt_logits: dict[int, torch.Tensor] = {}
+        self.block_size = config.block_size
+        self.bytes_per_block = self.block_size * kv_bytes_per_token(self.hf_config, self.dtype)
+        self.graph_runner: CudaGraphRunner | None = None  # the sizing warm-up runs eagerly
+        self.num_kv_blocks = self._size_kv_pool()
+        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+        self._log_capacity()
+        self.graph_runner = self._capture_cuda_graphs()  # needs the final pool: graphs keep it
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply copy-on-write copies, run the forward over the batch, sample its last tokens."""
+        if sched_out.block_copies:
+            self._copy_blocks(sched_out.block_copies)
+        if sched_out.is_empty:
+            return ModelRunnerOutput()
+        self._check_seqs(sched_out.seqs)
+        if self.graph_runner is not None and self.graph_runner.can_replay(sched_out):
+            return self._execute_graph(sched_out)
+        inputs = prepare_inputs(sched_out, self.device)
+        with torch.inference_mode():
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.attn_backend
+            )  # [T, E]
+            return self._sample(
+                hidden[inputs.logits_indices], inputs.sample_seq_ids, inputs.sample_specs
+            )
+
+    def _sample(
+        self, hidden: torch.Tensor, seq_ids: list[int], specs: list[SampleSpec]
+    ) -> ModelRunnerOutput:
+        """hidden [S, E]: the last-token rows of the sampled sequences, in seq_ids order."""
+        if not specs:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden)  # [S, V]
+        if self._capture_seq_ids:
+            self._capture_logits(logits, seq_ids, specs)
+        sampled = self.sampler(logits, specs)
+        return ModelRunnerOutput(dict(zip(seq_ids, sampled, strict=True)))
+
+    # -- cache audit --------------------------------------------------------------------------
+    def capture_prompt_logits(self, seq_id: int) -> None:
+        """Keep the logits row seq_id gets when it samples its first output token."""
+        self._capture_seq_ids.add(seq_id)
+
+    def take_prompt_logits(self, seq_id: int) -> torch.Tensor | None:
+        """The captured row ([V] float32), or None if not captured yet; stops the capture
+        once it has been returned."""
+        logits = self._prompt_logits.pop(seq_id, None)
+        if logits is not None:
+            self._capture_seq_ids.discard(seq_id)
+        return logits
+
+    def stop_capture(self, seq_id: int) -> None:
+        self._capture_seq_ids.discard(seq_id)
+        self._prompt_logits.pop(seq_id, None)
+
+    def _capture_logits(
+        self, logits: torch.Tensor, seq_ids: list[int], specs: list[SampleSpec]
+    ) -> None:
+        """logits: [S, V]; a copy of each captured row, before the sampler sees it."""
+        for row, (seq_id, spec) in enumerate(zip(seq_ids, specs, strict=True)):
+            if seq_id in self._capture_seq_ids and spec.output_index == 0:
+                self._prompt_logits[seq_id] = logits[row].float().clone()
+
+    def run_audit(
+        self, sched_out: SchedulerOutput, logits_seq_ids: set[int]
+    ) -> dict[int, torch.Tensor]:
+        """Run prefill chunks into the auditor's private blocks (eagerly, never a graph, no
+        sampling); return the last-token logits row ([V] float32) of each chunk whose
+        seq_id is in logits_seq_ids."""
+        self._check_seqs(sched_out.seqs)
+        inputs = prepare_inputs(sched_out, self.device)
+        ends = inputs.meta.query_start_loc_host[1:]
+        rows = [end - 1 for end in ends]
+        wanted = [i for i, seq in enumerate(sched_out.seqs) if seq.seq_id in logits_seq_ids]
+        with torch.inference_mode():
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.attn_backend
+            )  # [T, E]
+            if not wanted:
+                return {}
+            logits = self.model.compute_logits(hidden[[rows[i] for i in wanted]])  # [W, V]
+            return {sched_out.seqs[i].seq_id: logits[j].float() for j, i in enumerate(wanted)}
+
+    def corrupt_block(self, block_id: int, generator: torch.Generator) -> None:
+        """Fault drill: overwrite block_id's K and V in every layer, in place, with noise of
+        the block's own magnitude (far beyond any audit tolerance)."""
+        with torch.inference_mode():
+            for k_cache, v_cache in self.kv_caches:
+                for cache in (k_cache, v_cache):
+                    block = cache[block_id]  # [block_size, Hkv, D], a view
+                    scale = max(1.0, float(block.abs().max()))
+                    noise = torch.randn(block.shape, generator=generator, dtype=torch.float32)
+                    block.copy_(noise.mul_(scale).to(block.device, block.dtype))
+
+    # -- CUDA graphs (runtime/cuda_graph_runner.py): decode-only steps replay a captured graph --
+    def _execute_graph(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        seqs = sched_out.seqs
+        rows = [i for i, seq in enumerate(seqs) if seq.sample is not None]
+        seq_ids, specs = [seqs[i].seq_id for i in rows], [seqs[i].sample for i in rows]
+        with torch.inference_mode():
+            hidden = self.graph_runner.replay(sched_out)  # [B, E], row i = sequence i
+            if len(rows) < len(seqs):
+                hidden = hidden[split_to_device([rows], self.device)[0]]  # [S, E]
+            return self._sample(hidden, seq_ids, specs)
+
+    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
+        reason = graphs_disabled_reason(
+            self.config.enforce_eager, self.device, self.attn_backend.name
+        )
+        if reason is not None:
+            if self.device.type == "cuda":
+                logger.info("CUDA graphs off: %s; every step runs eagerly", reason)
+            return None
+        graph_runner = CudaGraphRunner(
+            self.model, self.kv_caches, self.attn_backend,
+            block_size=self.block_size, max_model_len=self.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+        )  # fmt: skip
+        graph_runner.capture()
+        return graph_runner
+
+    # -- end CUDA graphs ---------------------------------------------------------------------
+
+    def _check_seqs(self, seqs: list[ScheduledSeq]) -> None:
+        for seq in seqs:
+            if seq.context_len > self.max_model_len:
+                raise ValueError(
+                    f"sequence {seq.seq_id} reaches {seq.context_len} tokens, "
+                    f"past max_model_len {self.max_model_len}"
+                )
+            if len(seq.block_ids) * self.block_size < seq.context_len:
+                raise ValueError(
+                    f"sequence {seq.seq_id} has {len(seq.block_ids)} blocks "
+                    f"for {seq.context_len} tokens"
+                )
+
+    def _load_model(self) -> None:
+        loaded = load_model(self.config, self.device, self.dtype)
+        self.model = loaded.model
+        if can_pack(self.device, self.dtype):
+            self.model.pack_for_cpu()  # oneDNN with packed weights: faster CPU matmuls
+        self.hf_config = loaded.hf_config
+        self.max_model_len = loaded.max_model_len
+        self.model_info = ModelInfo(
+            name=loaded.name,
+            tokenizer_path=loaded.tokenizer_path,
+            max_model_len=loaded.max_model_len,
+            vocab_size=loaded.vocab_size,
+            eos_token_ids=loaded.eos_token_ids,
+            weights_version=loaded.weights_version,
+        )
+
+    def _size_kv_pool(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.config.kv_cache_bytes is not None:
+            budget = self.config.kv_cache_bytes
+        elif self.device.type == "cpu":
+            budget = _CPU_DEFAULT_KV_BYTES
+        else:
+            budget = self._cuda_kv_budget()
+        num_blocks = int(budget // self.bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV budget ({budget} bytes) holds no block of {self.bytes_per_block} bytes"
+            )
+        return num_blocks
+
+    def _cuda_kv_budget(self) -> int:
+        """Bytes for KV: utilisation * total memory, minus what is in use, minus activation peak."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        self._warm_up(num_tokens)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
+        logger.info(
+            "CUDA memory: %.2f GiB total, %.2f GiB in use after loading and warm-up, "
+            "%.2f GiB activation peak; gpu_memory_utilization %.2f leaves %.2f GiB for KV",
+            total / _GIB,
+            (total - free) / _GIB,
+            activation_peak / _GIB,
+            self.config.gpu_memory_utilization,
+            max(0.0, budget) / _GIB,
+        )
+        return max(0, int(budget))
+
+    def _warm_up(self, num_tokens: int) -> None:
+        """One dummy prefill of num_tokens through a temporary pool (measures the peak).
+
+        The peak must cover the longest attention and sampling a full batch: one sequence
+        takes all tokens but one per further sequence, up to max_num_seqs sequences, and
+        every one samples with top-p (the sampler's largest path: it sorts the vocabulary).
+        Each sequence owns contiguous blocks, so its slots are consecutive.
+        """
+        num_seqs = min(self.config.max_num_seqs, num_tokens)
+        params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1)
+        seqs, num_blocks = [], 0
+        for i in range(num_seqs):
+            length = num_tokens - (num_seqs - 1) if i == 0 else 1
+            block_ids = list(range(num_blocks, num_blocks + math.ceil(length / self.block_size)))
+            spec = SampleSpec(params, [i], output_index=0, prompt_token_ids=[], output_token_ids=[])
+            seqs.append(ScheduledSeq(i, [0] * length, 0, block_ids, sample=spec))
+            num_blocks += len(block_ids)
+        slots = [s.block_ids[0] * self.block_size + p for s in seqs for p in range(s.num_tokens)]
+        self.kv_caches = self._allocate_kv_caches(num_blocks)
+        self.execute(SchedulerOutput(seqs=seqs, slot_mapping=slots))
+        del self.kv_caches
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        spec = LlamaSpec.from_hf_config(self.hf_config)
+        shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(spec.num_layers)
+        ]
+
+    def _copy_blocks(self, copies: list[BlockCopy]) -> None:
+        src, dst = split_to_device([[c.src for c in copies], [c.dst for c in copies]], self.device)
+        self.attn_backend.copy_blocks(self.kv_caches, src, dst)
+
+    def _log_capacity(self) -> None:
+        num_tokens = self.num_kv_blocks * self.block_size
+        full_context_seqs = num_tokens // self.max_model_len
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s on %s); "
+            "%d sequences fit at full context (%d tokens); attention backend %s",
+            self.num_kv_blocks,
+            self.block_size,
+            num_tokens,
+            self.num_kv_blocks * self.bytes_per_block / _GIB,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            full_context_seqs,
+            self.max_model_len,
+            self.attn_backend.name,
+        )
+        if full_context_seqs < 1:
+            logger.warning("the KV pool holds fewer tokens than one full-context sequence")

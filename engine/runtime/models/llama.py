@@ -1,0 +1,375 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over paged attention.
+
+One flattened batch per call: input_ids [T], positions [T] and the step's AttentionMetadata.
+Each layer writes its new K/V through meta.slot_mapping and reads its context through the
+block tables. q/k/v and gate/up are fused into one matmul each (one weight read per layer).
+
+Axes: T tokens, H query heads, Hkv KV heads, D head dim, E hidden size, I intermediate, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.runtime.attention.base import AttentionBackend, AttentionMetadata
+from engine.runtime.cpu.fused import CpuFusedOps
+from engine.runtime.cpu.linear import PackedLinear, pack_linears
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, 1, D/2]
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """The shape of one model, resolved from an HF config of any supported family."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k before rope
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> LlamaSpec:
+        model_type = getattr(hf_config, "model_type", "llama")
+        num_heads = hf_config.num_attention_heads
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        return cls(
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            # Qwen2 always has q/k/v biases (and none on o_proj); Llama/Qwen3 follow attention_bias.
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        )
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """Rope settings from `rope_parameters` (transformers 5) or `rope_scaling`/`rope_theta`."""
+    params = dict(
+        getattr(hf_config, "rope_parameters", None)
+        or getattr(hf_config, "rope_scaling", None)
+        or {}
+    )
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", None) or 10000.0)
+    return params
+
+
+def rope_inv_freq(hf_config: Any, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [D/2] (fp32), computed as transformers does for the same config.
+
+    `dynamic` equals `default` within max_position_embeddings, which positions never pass.
+    """
+    params = rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, params, hf_config.max_position_embeddings)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any], max_pos: int) -> torch.Tensor:
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context_len = params.get("original_max_position_embeddings", max_pos)
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by factor, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > old_context_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_context_len / high) & (wavelen <= old_context_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, device=device, dtype=dtype))
+        self.eps = eps
+        self.fused: CpuFusedOps | None = None  # set by use_fused_ops()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = None if self.fused is None else self.fused.rms_norm(x, self.weight, self.eps)
+        if out is not None:
+            return out
+        # Statistics in fp32, scale in the input dtype: the same rounding as transformers.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of every position below max_positions, precomputed in fp32 then cast."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, device, dtype) -> None:
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+        self.register_buffer("cos", freqs.cos().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device=device, dtype=dtype), persistent=False)
+
+    def lookup(self, positions: torch.Tensor) -> Rope:
+        """cos and sin [T, 1, D/2] of each token's position; once per step, for every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate-half rope on x [T, heads, D] (the convention of HF Llama checkpoints)."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _linear(in_features: int, out_features: int, bias: bool, device, dtype) -> nn.Linear:
+    # No random init: every weight is overwritten by the checkpoint.
+    return nn.utils.skip_init(
+        nn.Linear, in_features, out_features, bias=bias, device=device, dtype=dtype
+    )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, spec: LlamaSpec, device, dtype) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.qkv_proj = _linear(
+            spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias, device, dtype
+        )
+        self.o_proj = _linear(self.q_size, spec.hidden_size, spec.o_bias, device, dtype)
+        self.fused: CpuFusedOps | None = None  # set by use_fused_ops()
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, device, dtype)
+
+    def forward(
+        self,
+        rope: Rope,
+        x: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rope(q, rope), self._rope(k, rope)
+        k_cache, v_cache = kv_cache
+        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        if self.fused is not None and (out := self.fused.rope(x, *rope)) is not None:
+            return out
+        return apply_rope(x, rope)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: LlamaSpec, device, dtype) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = _linear(spec.hidden_size, 2 * size, spec.mlp_bias, device, dtype)
+        self.down_proj = _linear(size, spec.hidden_size, spec.mlp_bias, device, dtype)
+        self.fused: CpuFusedOps | None = None  # set by use_fused_ops()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.fused is not None and (act := self.fused.silu_mul(gate_up)) is not None:
+            return self.down_proj(act)
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] temporary less
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, spec: LlamaSpec, device, dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        self.self_attn = LlamaAttention(spec, device, dtype)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        self.mlp = LlamaMLP(spec, device, dtype)
+
+    def forward(self, rope: Rope, hidden, kv_cache, meta, backend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(
+            rope, self.input_layernorm(hidden), kv_cache, meta, backend
+        )
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, spec: LlamaSpec, device, dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.utils.skip_init(
+            nn.Embedding, spec.vocab_size, spec.hidden_size, device=device, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, device, dtype) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+
+
+# Checkpoint projections that live in a fused parameter: (fused name, shard index).
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a paged KV cache; parameters mirror the HF names.
+
+    forward() returns final-normed hidden states [T, E] for every token; compute_logits()
+    takes only the rows that need sampling, so the [*, V] matmul runs for those rows alone.
+    """
+
+    def __init__(
+        self,
+        hf_config: Any,
+        max_positions: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.spec = spec = LlamaSpec.from_hf_config(hf_config)
+        inv_freq = rope_inv_freq(hf_config, spec.head_dim)
+        self.rotary = RotaryEmbedding(inv_freq, max_positions, device, dtype)
+        self.model = LlamaModel(spec, device, dtype)
+        self.lm_head = None
+        if not spec.tie_word_embeddings:
+            self.lm_head = _linear(spec.hidden_size, spec.vocab_size, False, device, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],  # per layer, [num_blocks, block_size, Hkv, D] each
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Run every layer over the flattened batch, writing K/V into the caches: [T, E]."""
+        hidden = self.model.embed_tokens(input_ids)  # [T, E]
+        rope = self.rotary.lookup(positions)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(rope, hidden, kv_cache, meta, backend)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, E] -> logits [N, V] in fp32 (select the rows first)."""
+        if self.lm_head is None:  # tied and not packed
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def use_fused_ops(self, ops: CpuFusedOps | None) -> None:
+        """Run RMSNorm, SiLU-and-mul and rope through `ops` where they cover the call (None:
+        torch everywhere)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | LlamaMLP | LlamaAttention):
+                module.fused = ops
+
+    def pack_for_cpu(self) -> None:
+        """Run every projection and the LM head on oneDNN with packed weights (see
+        cpu_linear.py); call after load_weights, when can_pack() says so."""
+        pack_linears(self.model)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        # A tied head becomes a packed copy of the embedding (the lookup keeps the plain table).
+        self.lm_head = PackedLinear(head, None)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters; raise if any part stays unset.
+
+        Tensors are cast to the parameter dtype and moved to its device one at a time.
+        """
+        params = dict(self.named_parameters())
+        expected = {(name, s) for name in params for s in range(self._num_shards(name))}
+        loaded: set[tuple[str, int]] = set()
+        for hf_name, tensor in weights:
+            target = self._target(hf_name)
+            if target is None:
+                continue
+            name, shard = target
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in this model")
+            destination = self._shard_view(params[name].data, name, shard)
+            if destination.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(destination.shape)}"
+                )
+            destination.copy_(tensor)
+            loaded.add((name, shard))
+        missing = sorted({name for name, _ in expected - loaded})
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint is missing {len(missing)} weights: {shown}")
+
+    def _target(self, hf_name: str) -> tuple[str, int] | None:
+        tied = self.spec.tie_word_embeddings
+        if "rotary_emb." in hf_name or (tied and hf_name.startswith("lm_head.")):
+            return None  # recomputed buffers; tied heads reuse the embedding
+        parts = hf_name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
+            fused, shard = _FUSED_SHARDS[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), shard
+        return hf_name, 0
+
+    def _num_shards(self, name: str) -> int:
+        if ".qkv_proj." in name:
+            return 3
+        return 2 if ".gate_up_proj." in name else 1
+
+    def _shard_view(self, data: torch.Tensor, name: str, shard: int) -> torch.Tensor:
+        spec = self.spec
+        if ".qkv_proj." in name:
+            q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+            offsets = (0, q_size, q_size + kv_size)
+            sizes = (q_size, kv_size, kv_size)
+            return data.narrow(0, offsets[shard], sizes[shard])
+        if ".gate_up_proj." in name:
+            size = spec.intermediate_size
+            return data.narrow(0, shard * size, size)
+        return data

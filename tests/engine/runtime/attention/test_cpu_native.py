@@ -1,0 +1,178 @@
+"""The native CPU decode kernel vs the naive paged reference, and how it is built and chosen."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.runtime.attention import cpu_native
+from engine.runtime.attention.select import get_attention_backend
+from engine.runtime.attention.torch_ref import TorchRefBackend
+from tests.engine.runtime.attention.paged_reference import make_paged_batch, reference_attention
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module")
+def backend(build_dir: Path) -> cpu_native.CpuNativeBackend:
+    return cpu_native.create_backend(build_dir)
+
+
+def forward_and_reference(backend, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = batch.query.shape[-1] ** -0.5
+    out = backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
+    expected = reference_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.block_ids, batch.meta, scale
+    )
+    return out, expected
+
+
+# (chunks as (cached_len, new_tokens), num_decodes, block_size, H, Hkv, D); decodes first.
+DECODE_CASES = {
+    "bs16-gqa3-d64-mid-block": ([(244, 1), (16, 1), (0, 1), (30, 1)], 4, 16, 9, 3, 64),
+    "bs8-gqa1-d64": ([(7, 1), (64, 1)], 2, 8, 4, 4, 64),
+    "bs32-gqa4-d128-long": ([(700, 1), (33, 1), (95, 1)], 3, 32, 8, 2, 128),
+    "bs16-gqa7-d64": ([(50, 1), (17, 1)], 2, 16, 14, 2, 64),
+    "bs16-gqa8-d128": ([(40, 1)], 1, 16, 8, 1, 128),
+    "bs16-gqa2-d128-one-token-context": ([(0, 1), (1, 1)], 2, 16, 4, 2, 128),
+    "mixed-with-prefills": ([(9, 1), (40, 1), (5, 7), (0, 4)], 2, 16, 6, 2, 64),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+def test_matches_reference(backend, case: tuple, dtype: torch.dtype) -> None:
+    chunks, num_decodes, block_size, num_heads, num_kv_heads, head_dim = case
+    batch = make_paged_batch(
+        chunks, num_decodes, block_size, num_heads, num_kv_heads, head_dim, dtype=dtype
+    )
+    out, expected = forward_and_reference(backend, batch)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.fixture
+def two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_many_sequences_split_whole_sequences_over_threads(backend) -> None:
+    # 32 decodes >= 4 per thread: the kernel gives each task a whole sequence, not one KV head
+    chunks = [(17 * i % 90, 1) for i in range(32)]
+    batch = make_paged_batch(chunks, 32, 16, 9, 3, 64, dtype=torch.bfloat16, seed=7)
+    out, expected = forward_and_reference(backend, batch)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "head_dim", "dtype"),
+    [(4, 16, torch.float32), (4, 64, torch.float16), (18, 64, torch.float32)],
+    ids=["d16", "fp16", "gqa9"],
+)
+def test_uncovered_shapes_fall_back_to_the_torch_path(
+    backend, monkeypatch: pytest.MonkeyPatch, num_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    batch = make_paged_batch([(12, 1), (3, 1)], 2, 8, num_heads, 2, head_dim, dtype=dtype, seed=3)
+    calls = []
+    monkeypatch.setattr(backend, "_decode_fn", lambda *args: calls.append(args) or 0)
+    out, expected = forward_and_reference(backend, batch)
+    assert calls == []  # the native kernel was not called
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def _strided(cache: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous tensor (every other block of a larger one)."""
+    wide = torch.zeros((2 * cache.shape[0], *cache.shape[1:]), dtype=cache.dtype)
+    wide[::2] = cache
+    return wide[::2]
+
+
+def test_a_strided_cache_takes_the_torch_path(backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = make_paged_batch([(30, 1), (9, 1)], 2, 8, 4, 2, 64, seed=5)
+    expected = forward_and_reference(backend, batch)[1]
+    calls = []
+    monkeypatch.setattr(backend, "_decode_fn", lambda *args: calls.append(args) or 0)
+    k_cache, v_cache = _strided(batch.k_cache), _strided(batch.v_cache)
+    out = backend.forward(batch.query, k_cache, v_cache, batch.meta, 64**-0.5)
+    assert calls == []
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("change", ["value-dtype", "short-table", "block-id-past-pool"])
+def test_inputs_the_kernel_cannot_read_safely_never_reach_it(
+    backend, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    batch = make_paged_batch([(30, 1), (9, 1)], 2, 8, 4, 2, 64, seed=5)
+    v_cache, meta = batch.v_cache, batch.meta
+    if change == "value-dtype":
+        v_cache = v_cache.to(torch.float64)
+    elif change == "short-table":  # narrower than the context: reads would run past the row
+        meta.block_tables = meta.block_tables[:, :2].contiguous()
+    else:
+        meta.block_tables[0, 0] = batch.k_cache.shape[0]
+    calls = []
+    monkeypatch.setattr(backend, "_decode_fn", lambda *args: calls.append(args) or 0)
+    # The torch path may reject these itself; what matters is that no raw pointer is read.
+    with contextlib.suppress(RuntimeError, IndexError):
+        backend.forward(batch.query, batch.k_cache, v_cache, meta, 0.125)
+    assert calls == []
+
+
+def test_a_new_build_replaces_older_ones(tmp_path: Path) -> None:
+    stale = tmp_path / "cpu_kernels-0123456789abcdef.so"
+    stale.write_bytes(b"an older revision")
+    cpu_native.load_library(tmp_path)
+    libraries = list(tmp_path.glob("cpu_kernels-*.so"))
+    assert len(libraries) == 1 and libraries[0] != stale
+
+
+def test_library_is_built_once_per_source_and_reused(build_dir: Path, backend) -> None:
+    libraries = list(build_dir.glob("cpu_kernels-*.so"))
+    assert len(libraries) == 1
+    stamp = libraries[0].stat().st_mtime_ns
+    cpu_native.load_library.cache_clear()
+    cpu_native.load_library(build_dir)  # a fresh process would do this: find, not rebuild
+    assert libraries[0].stat().st_mtime_ns == stamp
+    assert [p.name for p in build_dir.iterdir()] == [libraries[0].name]  # no scratch left
+
+
+def test_a_failed_build_is_reported_and_auto_falls_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(cpu_native.NativeBuildError, match="failed"):
+        cpu_native.load_library(tmp_path)
+    with pytest.raises(ValueError, match="'cpu' is unavailable"):
+        get_attention_backend("cpu", CPU, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        chosen = get_attention_backend("auto", CPU, tmp_path)
+    assert type(chosen) is TorchRefBackend
+    assert "using the torch attention backend" in caplog.text
+    assert list(tmp_path.glob("*.so")) == []
+
+
+def test_auto_picks_the_native_backend_on_cpu(build_dir: Path) -> None:
+    assert get_attention_backend("auto", CPU, build_dir).name == "cpu"
+    assert get_attention_backend("cpu", CPU, build_dir).name == "cpu"
+
+
+def test_cpu_backend_refuses_other_devices(build_dir: Path) -> None:
+    with pytest.raises(ValueError, match="runs on the CPU, not 'cuda'"):
+        get_attention_backend("cpu", torch.device("cuda"), build_dir)

@@ -1,0 +1,217 @@
+"""Triton kernels vs a naive paged reference, on the CPU through the Triton interpreter.
+
+TRITON_INTERPRET=1 must be set before triton is imported (triton.jit picks the interpreter
+when it decorates, triton's own library included), so it is set here, for the rest of the
+session. If something imported triton earlier in this process, these tests run in a fresh
+process instead. Shapes are tiny: the interpreter runs every program in Python.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("interpreter tests; test_triton_gpu.py covers CUDA", allow_module_level=True)
+
+_CAN_INTERPRET_HERE = "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from engine.runtime.attention import triton_cache_ops, triton_kernels  # noqa: E402
+from engine.runtime.attention.triton_backend import TritonBackend  # noqa: E402
+from tests.engine.runtime.attention.paged_reference import (  # noqa: E402
+    PagedBatch,
+    make_paged_batch,
+    reference_attention,
+)
+
+if _CAN_INTERPRET_HERE and not triton_kernels.INTERPRETED:
+    # an earlier import (with triton already interpreting) built them for a GPU: rebuild
+    importlib.reload(triton_kernels)
+    importlib.reload(triton_cache_ops)
+
+interpreted = pytest.mark.skipif(
+    not _CAN_INTERPRET_HERE,
+    reason="triton was imported before TRITON_INTERPRET=1; test_in_fresh_process runs these",
+)
+
+
+@pytest.mark.skipif(_CAN_INTERPRET_HERE, reason="the tests below run in this process")
+def test_in_fresh_process() -> None:
+    repo_root = Path(__file__).resolve().parents[3]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=repo_root,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+# (chunks as (cached_len, new_tokens), num_decodes, block_size, H, Hkv, D)
+FORWARD_CASES = {
+    "prefill-empty-prefix-bs8-gqa1": ([(0, 5), (0, 11)], 0, 8, 2, 2, 16),
+    "prefill-cached-prefix-bs16-gqa2": ([(13, 6), (8, 1), (0, 20), (16, 16)], 0, 16, 4, 2, 16),
+    "prefill-bs32-gqa4": ([(37, 9), (0, 3)], 0, 32, 8, 2, 16),
+    "prefill-several-query-tiles-bs16": ([(70, 70)], 0, 16, 2, 2, 16),
+    "decode-only-bs8-gqa4": ([(4, 1), (20, 1), (0, 1)], 3, 8, 8, 2, 16),
+    "mixed-bs16-gqa2": ([(9, 1), (40, 1), (5, 7), (0, 4)], 2, 16, 4, 2, 16),
+    "mixed-gqa3-head-dim-24": ([(7, 1), (11, 5)], 1, 8, 6, 2, 24),
+}
+
+
+def run_forward(batch: PagedBatch, num_splits: int | None = None) -> torch.Tensor:
+    scale = batch.query.shape[-1] ** -0.5
+    backend = TritonBackend(num_splits=num_splits)
+    return backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
+
+
+def reference_for(batch: PagedBatch) -> torch.Tensor:
+    scale = batch.query.shape[-1] ** -0.5
+    return reference_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.block_ids, batch.meta, scale
+    )
+
+
+@interpreted
+@pytest.mark.parametrize("case", FORWARD_CASES.values(), ids=FORWARD_CASES.keys())
+def test_forward_matches_reference_fp32(case: tuple) -> None:
+    chunks, num_decodes, block_size, num_heads, num_kv_heads, head_dim = case
+    batch = make_paged_batch(chunks, num_decodes, block_size, num_heads, num_kv_heads, head_dim)
+    out = run_forward(batch, num_splits=1)
+    assert out.shape == batch.query.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, reference_for(batch), atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 8])
+def test_split_k_decode_matches_reference(num_splits: int) -> None:
+    # 300 keys = 5 tiles of 64: with 8 splits some slices are empty and must weigh nothing
+    chunks = [(299, 1), (64, 1), (0, 1), (129, 1)]
+    batch = make_paged_batch(chunks, 4, 16, num_heads=8, num_kv_heads=2, head_dim=16, seed=1)
+    out = run_forward(batch, num_splits=num_splits)
+    torch.testing.assert_close(out, reference_for(batch), atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_half_precision_matches_reference(dtype: torch.dtype, num_splits: int) -> None:
+    chunks = [(9, 1), (140, 1), (5, 7), (0, 4)]
+    batch = make_paged_batch(chunks, 2, 16, 4, 2, 16, dtype=dtype, seed=2)
+    out = run_forward(batch, num_splits=num_splits)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference_for(batch), atol=2e-2, rtol=2e-2)
+
+
+@interpreted
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_row_with_empty_context_outputs_zeros(num_splits: int) -> None:
+    # a padded decode row (seq_len 0, as CUDA-graph padding may produce) must not make NaNs
+    batch = make_paged_batch([(5, 1), (3, 1)], 2, 8, 2, 1, 16, seed=3)
+    expected = reference_for(batch)[0]
+    batch.meta.seq_lens[1] = 0
+    out = run_forward(batch, num_splits=num_splits)
+    torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@interpreted
+def test_store_then_forward_matches_reference() -> None:
+    batch = make_paged_batch([(6, 1), (10, 6), (0, 9)], 1, 8, 4, 2, 16, seed=4)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    slots = batch.meta.slot_mapping
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = 0.0  # forget the new tokens' K/V
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = 0.0
+    backend = TritonBackend(num_splits=2)
+    backend.store_kv(batch.key, batch.value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, batch.k_cache) and torch.equal(v_cache, batch.v_cache)
+    out = backend.forward(batch.query, k_cache, v_cache, batch.meta, 0.25)
+    torch.testing.assert_close(out, reference_for(batch), atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize(("num_kv_heads", "head_dim"), [(2, 16), (3, 24)])
+def test_store_kv_writes_each_token_into_its_slot(
+    dtype: torch.dtype, block_size: int, num_kv_heads: int, head_dim: int
+) -> None:
+    num_tokens, num_heads = 5, 4
+    # K and V as strided views of one fused qkv projection, as the model produces them
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    key = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    key = key.view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    slots = [3, block_size + 5, -1, 3 * block_size, 1]  # -1: a padding token
+    k_cache = torch.zeros(4, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for token, slot in enumerate(slots):
+        if slot >= 0:
+            expected_k[slot // block_size, slot % block_size] = key[token]
+            expected_v[slot // block_size, slot % block_size] = value[token]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    TritonBackend().store_kv(key, value, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_copy_blocks_copies_in_every_layer(dtype: torch.dtype) -> None:
+    shape = (6, 8, 2, 16)  # [num_blocks, block_size, Hkv, D]
+    kv_caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(3)]
+    expected = [(k.clone(), v.clone()) for k, v in kv_caches]
+    src, dst = [1, 4], [5, 0]
+    for k, v in expected:
+        k[dst], v[dst] = k[src].clone(), v[src].clone()
+    TritonBackend().copy_blocks(kv_caches, torch.tensor(src), torch.tensor(dst))
+    for (k, v), (expected_k, expected_v) in zip(kv_caches, expected, strict=True):
+        assert torch.equal(k, expected_k) and torch.equal(v, expected_v)
+
+
+@interpreted
+def test_copy_blocks_without_pairs_changes_nothing() -> None:
+    k, v = torch.randn(3, 8, 1, 16), torch.randn(3, 8, 1, 16)
+    before = (k.clone(), v.clone())
+    empty = torch.empty(0, dtype=torch.int64)
+    TritonBackend().copy_blocks([(k, v)], empty, empty)
+    assert torch.equal(k, before[0]) and torch.equal(v, before[1])
+
+
+@pytest.mark.parametrize(
+    ("num_decodes", "num_kv_heads", "max_seq_len", "expected"),
+    [
+        (1, 1, 4096, 8),  # 4 "SMs" on the CPU: 2 * 4 programs wanted
+        (1, 1, 300, 1),  # too short to split
+        (1, 3, 4096, 2),  # ceil(8 / 3) = 3, rounded down to a power of two
+        (64, 8, 4096, 1),  # the batch already fills the device
+        (1, 1, 10**6, 8),
+    ],
+)
+def test_choose_num_splits(
+    num_decodes: int, num_kv_heads: int, max_seq_len: int, expected: int
+) -> None:
+    backend = TritonBackend()
+    got = backend.choose_num_splits(num_decodes, num_kv_heads, max_seq_len, torch.device("cpu"))
+    assert got == expected
+
+
+@interpreted
+def test_matches_torch_reference_backend() -> None:
+    torch_ref = pytest.importorskip("engine.runtime.attention.torch_ref")
+    batch = make_paged_batch([(9, 1), (70, 1), (5, 7), (0, 4)], 2, 16, 4, 2, 16, seed=5)
+    reference = torch_ref.TorchRefBackend()
+    expected = reference.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25)
+    out = TritonBackend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,78 @@
+"""The fused CPU elementwise ops against the torch code they replace in runtime/models/llama.py."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.runtime.attention import cpu_native
+from engine.runtime.cpu.fused import CpuFusedOps
+from engine.runtime.models.llama import RMSNorm, apply_rope
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory: pytest.TempPathFactory) -> CpuFusedOps:
+    return CpuFusedOps(cpu_native.load_library(Path(tmp_path_factory.mktemp("kernels"))))
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def assert_matches(out: torch.Tensor | None, expected: torch.Tensor) -> None:
+    """fp32: to rounding; bf16: bit for bit but for rare one-ulp ties of an fp32 intermediate."""
+    assert out is not None and out.dtype == expected.dtype and out.shape == expected.shape
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        return
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=8e-3)
+    assert (out == expected).float().mean() > 0.99
+
+
+@DTYPES
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_rms_norm(ops: CpuFusedOps, dtype: torch.dtype, num_tokens: int) -> None:
+    norm = RMSNorm(96, 1e-5, torch.device("cpu"), dtype)
+    norm.weight.data = randn(96, dtype=dtype, seed=1).abs() + 0.5
+    x = randn(num_tokens, 96, dtype=dtype) * 3
+    expected = norm(x)  # the torch path: no fused ops set
+    assert_matches(ops.rms_norm(x, norm.weight.data, norm.eps), expected)
+
+
+@DTYPES
+@pytest.mark.parametrize("num_tokens", [1, 33, 400])
+def test_silu_mul(ops: CpuFusedOps, dtype: torch.dtype, num_tokens: int) -> None:
+    gate_up = randn(num_tokens, 2 * 160, dtype=dtype) * 4  # large |gate| both ways
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_matches(ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@DTYPES
+@pytest.mark.parametrize("num_tokens", [1, 5, 300])
+def test_rope_on_a_strided_view(ops: CpuFusedOps, dtype: torch.dtype, num_tokens: int) -> None:
+    heads, head_dim = 3, 64
+    qkv = randn(num_tokens, 5 * head_dim, dtype=dtype)  # q of 3 heads, then other columns
+    x = qkv[:, : heads * head_dim].view(num_tokens, heads, head_dim)  # not contiguous
+    angles = randn(num_tokens, 1, head_dim // 2, dtype=torch.float32, seed=2) * 3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    out = ops.rope(x, cos, sin)
+    assert out is not None and out.is_contiguous()
+    assert_matches(out, apply_rope(x, (cos, sin)))
+
+
+def test_calls_it_does_not_cover_return_none(ops: CpuFusedOps) -> None:
+    x = randn(4, 40, dtype=torch.float32)  # 40: not whole vectors of 16
+    assert ops.rms_norm(x, torch.ones(40), 1e-5) is None
+    assert ops.rms_norm(randn(4, 64, dtype=torch.float16), torch.ones(64).half(), 1e-5) is None
+    assert ops.rms_norm(randn(64, 4, dtype=torch.float32).t(), torch.ones(64), 1e-5) is None
+    assert ops.silu_mul(randn(4, 2 * 24, dtype=torch.float32)) is None
+    cos = sin = torch.ones(4, 1, 8)
+    assert ops.rope(randn(4, 2, 16, dtype=torch.float32), cos, sin) is None  # half = 8
