@@ -1,7 +1,9 @@
 """The OpenAI error envelope and the exception handlers that produce it.
 
 Every error leaves as {"error": {"message", "type", "param", "code"}} with a matching status;
-a client never sees a stack trace.
+a client never sees a stack trace. ENGINE_ERRORS is the one table from the engine's error types
+(engine/core/errors.py, plus ChatTemplateError) to statuses; handlers and the streaming path
+both read it through api_error().
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -17,7 +20,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.core.sampling_params import ParamError
+from engine.core.errors import (
+    EngineNotReady,
+    FaultInjectionDisabled,
+    InvalidFaultTarget,
+    KVShareError,
+    ParamError,
+)
 from engine.tokenizer import ChatTemplateError
 
 logger = logging.getLogger(__name__)
@@ -59,6 +68,43 @@ class EngineError(APIError):
 
     def __init__(self, message: str) -> None:
         super().__init__(500, message, type=SERVER_ERROR, code="engine_error")
+
+
+@dataclass(frozen=True)
+class ErrorStatus:
+    """How one engine error type leaves over HTTP. `param` is reported when the error names
+    none itself (a ParamError names its own); `prefix` goes before the error's message."""
+
+    status: int
+    type: str = INVALID_REQUEST
+    code: str | None = None
+    param: str | None = None
+    prefix: str = ""
+
+
+# Engine error type -> HTTP status; the most specific base class of an error wins
+# (DuplicateRequest and UnknownFaultKind are ParamErrors).
+ENGINE_ERRORS: dict[type[KVShareError], ErrorStatus] = {
+    ParamError: ErrorStatus(400),
+    ChatTemplateError: ErrorStatus(
+        400, param="messages", prefix="The chat template rejected the messages: "
+    ),
+    FaultInjectionDisabled: ErrorStatus(403, code="fault_injection_disabled"),
+    InvalidFaultTarget: ErrorStatus(409, code="no_fault_target"),
+    EngineNotReady: ErrorStatus(503, type=SERVER_ERROR, code="not_ready"),
+    KVShareError: ErrorStatus(
+        500, type=SERVER_ERROR, code="engine_error", prefix="The engine failed this request: "
+    ),
+}
+
+
+def api_error(exc: KVShareError) -> APIError:
+    """The APIError an engine error becomes (ENGINE_ERRORS, by its nearest listed class)."""
+    kind = next(ENGINE_ERRORS[cls] for cls in type(exc).__mro__ if cls in ENGINE_ERRORS)
+    param = getattr(exc, "param", None) or kind.param
+    return APIError(
+        kind.status, kind.prefix + str(exc), type=kind.type, param=param, code=kind.code
+    )
 
 
 def error_body(
@@ -125,14 +171,9 @@ async def _request_validation(_: Request, exc: Exception) -> JSONResponse:
     return error_response(_validation_error(exc.errors()))
 
 
-async def _param_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ParamError)
-    return error_response(APIError(400, exc.message, param=exc.param))
-
-
-async def _chat_template_error(_: Request, exc: Exception) -> JSONResponse:
-    message = f"The chat template rejected the messages: {exc}"
-    return error_response(APIError(400, message, param="messages"))
+async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, KVShareError)
+    return await _api_error(request, api_error(exc))
 
 
 async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
@@ -158,7 +199,7 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _request_validation)
-    app.add_exception_handler(ParamError, _param_error)
-    app.add_exception_handler(ChatTemplateError, _chat_template_error)
+    for engine_error in ENGINE_ERRORS:
+        app.add_exception_handler(engine_error, _engine_error)
     app.add_exception_handler(StarletteHTTPException, _http_exception)
     app.add_exception_handler(Exception, _unexpected)

@@ -1,9 +1,11 @@
 """The only place Prometheus metric objects are defined (names: /work/shared/DESIGN.md).
 
 One ServerMetrics per app, on its own CollectorRegistry, so apps (and tests) never share
-series. Engine numbers are read at scrape time: refresh(stats) observes the steps and audits
-drained since the last scrape into histograms, and a custom collector exposes the cumulative
-counters and gauges of that snapshot as they are (no delta bookkeeping).
+series. Engine numbers are pushed, not pulled: the engine publishes one immutable EngineStats
+per step and observe_engine(stats) receives each exactly once on the event loop; it
+histograms that step and the audits it finished, and keeps the snapshot, whose cumulative
+counters and gauges a custom collector exposes as they are at scrape time (no delta
+bookkeeping, no call into the engine).
 """
 
 from __future__ import annotations
@@ -128,14 +130,14 @@ class ServerMetrics:
             self._finished[finish_reason] = self._finished.get(finish_reason, 0) + 1
         self.request_duration.observe(duration_s)
 
-    # -- fed from the engine at scrape time ---------------------------------------------------
+    # -- pushed by the engine, once per step ----------------------------------------------------
 
-    def refresh(self, stats: EngineStats) -> None:
-        """Take a fresh EngineStats: histogram the drained steps/audits, keep the rest."""
-        for step in stats.recent_steps:
-            self.step_duration.observe(step.duration_s)
-            self.batch_size.observe(step.num_seqs)
-        for diff in stats.recent_audit_max_abs_diffs:
+    def observe_engine(self, stats: EngineStats) -> None:
+        """A newly published snapshot: histogram its step and audits, keep the rest."""
+        if stats.step is not None:
+            self.step_duration.observe(stats.step.duration_s)
+            self.batch_size.observe(stats.step.num_seqs)
+        for diff in stats.audit_max_abs_diffs:
             self.audit_max_abs_diff.observe(diff)
         with self._lock:
             self._stats = stats

@@ -6,12 +6,12 @@ Both import the engine runtime (torch) lazily, inside the command.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
+
+from engine.core.intmath import cdiv
 
 _CONTEXT_LENGTHS = (1024, 2048, 4096, 8192, 32768, 131072)
 _BATCH_SIZES = (1, 8, 32, 64, 256)
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,7 +27,8 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace, engine_config) -> int:
-    from engine.core.sampling_params import ParamError, SamplingParams
+    from engine.core.errors import ParamError
+    from engine.core.sampling_params import SamplingParams
     from engine.llm_engine import LLMEngine
     from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -46,7 +47,11 @@ def run_generate(args: argparse.Namespace, engine_config) -> int:
     engine = LLMEngine(engine_config)
     tokenizer = Tokenizer(engine.model_info.tokenizer_path)
     prompt_ids = _prompt_ids(tokenizer, args)
-    result = engine.generate([prompt_ids], params)[0]
+    try:
+        result = engine.generate([prompt_ids], params)[0]  # validates: the offline edge
+    except ParamError as e:
+        print(f"kvshare generate: error: {e.param}: {e.message}", file=sys.stderr)
+        return 2
     if result.error:
         print(f"kvshare generate: error: {result.error}", file=sys.stderr)
         return 1
@@ -98,7 +103,7 @@ def run_estimate(args: argparse.Namespace, engine_config) -> int:
     if args.memory:
         memory = parse_bytes(args.memory)
         num_blocks = memory // (per_token * block_size)
-        per_seq = math.ceil(max_len / block_size)
+        per_seq = cdiv(max_len, block_size)
         print(
             f"\n{format_bytes(memory)} holds {num_blocks} blocks = {num_blocks * block_size} "
             f"tokens = {num_blocks // per_seq} sequences at full context ({max_len} tokens)"

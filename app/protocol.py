@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.core.sampling_params import ParamError, SamplingParams
+from engine.core.errors import ParamError
+from engine.core.sampling_params import SamplingParams
 
 MAX_N = 128  # choices per prompt; more would only fill the queue
 MAX_STOP_STRINGS = 16  # stop strings are matched on every token
@@ -157,6 +158,8 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         """SamplingParams with `max_tokens` already resolved (see OpenAIServing)."""
+        if self.echo and self.logprobs is not None:
+            raise ParamError("echo", "echo together with logprobs is not supported")
         return self._sampling_params(max_tokens, self.logprobs)
 
 

@@ -46,6 +46,7 @@ _KEYED_PREFIXES = (_GENERATION_PREFIX, "/debug/")  # routes that need an API key
 def create_app(engine_client: EngineClient, settings: Settings) -> FastAPI:
     """An app serving `engine_client`. Its lifespan starts the engine and shuts it down."""
     state = ServerState(engine_client, settings, ServerMetrics())
+    engine_client.add_stats_listener(state.metrics.observe_engine)  # pushed once per step
     app = FastAPI(
         title="kvshare",
         summary="OpenAI-compatible LLM server with a shared, isolated KV cache",

@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 
-from app.errors import APIError, EngineError
+from app.errors import APIError, EngineError, api_error
 from app.formatting import ChatFormatter, ChoiceDelta, CompletionFormatter, Formatter
 from app.metrics import ServerMetrics
 from app.protocol import (
@@ -32,6 +32,7 @@ from app.protocol import (
 )
 from app.settings import ServerSettings
 from app.streaming import merge
+from engine.core.errors import KVShareError
 from engine.core.protocol import (
     CompletionOutput,
     EngineClient,
@@ -40,7 +41,7 @@ from engine.core.protocol import (
     ModelInfo,
     RequestOutput,
 )
-from engine.core.sampling_params import ParamError
+from engine.core.validation import validate_request
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,8 @@ class OpenAIServing:
             raise APIError(404, message, param="model", code="model_not_found")
 
     def prepare_chat(self, request: ChatCompletionRequest, record: RequestRecord) -> Prepared:
-        """Validate, apply the chat template, tokenize once. Raises APIError/ParamError (400s)."""
+        """Validate, apply the chat template, tokenize once. Raises APIError, ParamError or
+        ChatTemplateError (400s)."""
         self.check_model(request.model)
         messages = [m.to_template_dict() for m in request.messages]
         prompt_token_ids = self.model.tokenizer.apply_chat_template(messages)
@@ -170,17 +172,15 @@ class OpenAIServing:
         return Prepared(formatter, engine_requests, request.stop_strings, request.include_usage)
 
     def prepare_completion(self, request: CompletionRequest, record: RequestRecord) -> Prepared:
-        """Validate and tokenize each prompt; one EngineRequest per prompt."""
+        """Tokenize and validate each prompt; one EngineRequest per prompt."""
         self.check_model(request.model)
-        if request.echo and request.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported", param="echo")
         prompts = self._completion_prompts(request.prompt)
-        prompt_texts = [self.model.tokenizer.decode(ids) for ids in prompts]
-        if self.settings.log_prompts:
-            record.prompt = "\n".join(prompt_texts)
         response_id, engine_requests = self._engine_requests(
             "cmpl", prompts, request, record, prompt_param="prompt"
         )
+        prompt_texts = [self.model.tokenizer.decode(ids) for ids in prompts]  # ids checked now
+        if self.settings.log_prompts:
+            record.prompt = "\n".join(prompt_texts)
         formatter = CompletionFormatter(
             **self._formatter_fields(response_id, request.logprobs is not None),
             echo_texts=prompt_texts if request.echo else None,
@@ -205,41 +205,41 @@ class OpenAIServing:
         record: RequestRecord,
         prompt_param: str,
     ) -> tuple[str, list[EngineRequest]]:
-        """A response id and one EngineRequest per prompt (ids suffixed -i when several)."""
+        """A response id and one EngineRequest per prompt (ids suffixed -i when several).
+
+        This is the HTTP edge's one check of each request against the model
+        (validate_request): the engine does not check again (see AsyncEngine.generate).
+        """
         response_id = f"{prefix}-{secrets.token_hex(12)}"
         cache_salt = cache_namespace_salt(record.tenant, request.cache_salt)
         engine_requests = []
         for number, prompt_token_ids in enumerate(prompts):
             max_tokens = self._resolve_max_tokens(len(prompt_token_ids), request, prompt_param)
             params = request.to_sampling_params(max_tokens)
-            params.check_token_ids(self.model.info.vocab_size)
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{number}"
-            engine_requests.append(
-                EngineRequest(request_id, prompt_token_ids, params, cache_salt=cache_salt)
+            engine_request = EngineRequest(
+                request_id, prompt_token_ids, params, cache_salt=cache_salt
             )
+            validate_request(engine_request, self.model.info, prompt_param=prompt_param)
+            engine_requests.append(engine_request)
         return response_id, engine_requests
 
     def _completion_prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]]
     ) -> list[list[int]]:
-        """The prompts of a completions request as token ids; empty or out-of-vocab -> 400."""
+        """The prompts of a completions request as token ids (none at all -> 400).
+
+        An empty or out-of-vocabulary prompt is refused by validate_request, per prompt.
+        """
         items = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else list(prompt)
         if not items:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        vocab_size = self.model.info.vocab_size
-        prompts = []
-        for item in items:
-            ids = self.model.tokenizer.encode(item) if isinstance(item, str) and item else []
-            if not isinstance(item, str):
-                ids = list(item)
-                bad = [t for t in ids if not 0 <= t < vocab_size]
-                if bad:
-                    message = f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-                    raise APIError(400, message, param="prompt")
-            if not ids:
-                raise APIError(400, "prompt must not be empty", param="prompt")
-            prompts.append(ids)
-        return prompts
+        return [self._prompt_ids(item) for item in items]
+
+    def _prompt_ids(self, item: str | list[int]) -> list[int]:
+        if isinstance(item, str):  # "" stays empty (and is refused), never a lone BOS token
+            return self.model.tokenizer.encode(item) if item else []
+        return list(item)
 
     def _resolve_max_tokens(
         self,
@@ -281,8 +281,9 @@ class OpenAIServing:
     async def run(self, prepared: Prepared, record: RequestRecord) -> AsyncIterator[ChoiceDelta]:
         """Every choice's deltas, in engine order; the choices' last deltas carry a finish reason.
 
-        Raises EngineError when the engine fails the request. Leaving early (disconnect,
-        cancellation) aborts the engine requests that are still running.
+        Raises EngineError when the engine fails the request, and the APIError of
+        app/errors.py's table when it refuses it (an engine error type). Leaving early
+        (disconnect, cancellation) aborts the engine requests that are still running.
         """
         record.prompt_tokens = sum(len(r.prompt_token_ids) for r in prepared.engine_requests)
         streams, base = [], 0
@@ -299,8 +300,8 @@ class OpenAIServing:
                     saw_length = saw_length or delta.finish_reason == "length"
                     yield delta
             outcome = "length" if saw_length else "stop"
-        except EngineError:
-            outcome = "error"
+        except APIError as e:  # EngineError, or an engine error type mapped by api_error()
+            outcome = "error" if e.status_code >= 500 else "abort"
             raise
         finally:
             record.finish_reason = outcome
@@ -340,8 +341,8 @@ class OpenAIServing:
                 raise EngineError("The engine ended the request before every choice finished.")
         except (APIError, anyio.get_cancelled_exc_class(), GeneratorExit):
             raise
-        except ParamError as e:  # the engine's own validation; ours should have caught it
-            raise APIError(400, e.message, param=e.param) from e
+        except KVShareError as e:  # the engine refused it (e.g. DuplicateRequest)
+            raise api_error(e) from e
         except Exception as e:
             logger.exception("engine failure in request %s", request.request_id)
             raise EngineError(f"The engine failed this request: {e}") from e

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.core.config import EngineConfig
+from engine.core.config import CHOICES, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +169,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
                     flag, dest=key, default=None, metavar="BOOL", nargs="?", const="true"
                 )
                 continue
-            metavar = "A,B" if key in _LIST_KEYS else "VALUE"
-            group.add_argument(flag, dest=key, default=None, metavar=metavar)
+            group.add_argument(flag, dest=key, default=None, metavar=_metavar(key))
     parser.add_argument(
         "--no-prefix-cache",
         dest="enable_prefix_cache",
@@ -178,6 +177,13 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         const="false",
         help="turn the prefix cache off (same as --enable-prefix-cache false), for comparison",
     )
+
+
+def _metavar(key: str) -> str:
+    """What --help shows a flag takes: the engine's own list of choices where it has one."""
+    if key in CHOICES:
+        return "{" + ",".join(str(choice) for choice in CHOICES[key]) + "}"
+    return "A,B" if key in _LIST_KEYS else "VALUE"
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,19 +14,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import anyio
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app.errors import SERVER_ERROR, APIError, error_body
-
-if TYPE_CHECKING:
-    from app.serving import OpenAIServing, Prepared, RequestRecord
 
 logger = logging.getLogger(__name__)
 
@@ -183,20 +181,21 @@ async def cancel_on_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 
 async def respond(
     request: Request,
-    serving: OpenAIServing,
-    prepared: Prepared,
-    record: RequestRecord,
     stream: bool,
+    chunks: Callable[[], AsyncIterator[dict]],
+    complete: Callable[[], Awaitable[BaseModel]],
+    keepalive_seconds: float,
 ) -> Response:
-    """Answer a prepared generation request as SSE or as one JSON body.
+    """Answer a generation request as SSE (stream: the `chunks()` events) or as one JSON
+    body (`complete()`); only the one chosen is called. The callables are how the serving
+    layer plugs in: this module imports no app/serving.py.
 
     Either way a client that disconnects cancels the work, which aborts it in the engine.
     """
     if stream:
-        chunks = serving.stream(prepared, record)
-        return sse_response(chunks, serving.settings.keepalive_seconds)
+        return sse_response(chunks(), keepalive_seconds)
     try:
-        response = await cancel_on_disconnect(request.receive, serving.complete(prepared, record))
+        response = await cancel_on_disconnect(request.receive, complete())
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(response.model_dump(mode="json"))

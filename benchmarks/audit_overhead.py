@@ -65,7 +65,6 @@ def set_audit_rate(engine: LLMEngine, rate: float) -> None:
 def run_once(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str):
     """Submit every prompt at once, step until requests and audits are done."""
     engine.kv_cache_manager.prefix_cache.reset()  # every run starts from an empty cache
-    engine.stats()  # drain
     for i, prompt in enumerate(prompts):
         engine.add_request(EngineRequest(f"{tag}-{i}", prompt, params))
     num_output_tokens = 0

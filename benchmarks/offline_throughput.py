@@ -73,11 +73,11 @@ def run_engine(model_dir: str, dtype: str, prompts, output_len: int, concurrency
     engine = LLMEngine(config)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine.generate([prompts[0][:16]], params)  # warm-up
-    engine.stats()
+    engine.step_samples.clear()
     started = time.perf_counter()
     results = engine.generate(prompts, params)
     elapsed = time.perf_counter() - started
-    steps = engine.stats().recent_steps
+    steps = list(engine.step_samples)
     num_out = sum(len(r.token_ids[0]) for r in results)
     assert num_out == len(prompts) * output_len
     decode_steps = [s.duration_s for s in steps if s.num_tokens == s.num_seqs]
@@ -92,9 +92,9 @@ def run_engine_single(model_dir: str, dtype: str, prompt, output_len: int) -> di
     engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_num_seqs=1))
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine.generate([prompt[:16]], params)
-    engine.stats()
+    engine.step_samples.clear()
     engine.generate([prompt], params)
-    decode = [s.duration_s for s in engine.stats().recent_steps if s.num_tokens == 1]
+    decode = [s.duration_s for s in engine.step_samples if s.num_tokens == 1]
     return {"decode_ms_per_token": 1000 * statistics.median(decode)}
 
 

@@ -40,7 +40,7 @@ from benchmarks.serving import (
     run_benchmark,
     summarize,
 )
-from tests.integration.conftest import running_server
+from tests.integration.server import running_server
 
 MODES = {"on": (), "off": ("--no-prefix-cache",)}  # server flags per cache mode
 WORKLOADS = ("shared-prefix", "multi-turn")

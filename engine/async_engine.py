@@ -6,6 +6,11 @@ loop talks to it through a command queue, and receives RequestOutputs through pe
 asyncio queues fed with loop.call_soon_threadsafe. Commands are applied between steps, so an
 abort takes effect within one step; so is a fault drill (inject_fault), whose report comes
 back through a future.
+
+Stats flow one way: after every step the engine thread hands the step's immutable EngineStats
+to the event loop together with the step's outputs; the loop keeps the latest (stats()) and
+passes each snapshot once to every stats listener (the server's metrics), so nothing on the
+loop ever calls into the engine for figures.
 """
 
 from __future__ import annotations
@@ -19,9 +24,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from engine.core.config import EngineConfig
+from engine.core.errors import (
+    ChoiceNotForked,
+    DuplicateRequest,
+    EngineNotReady,
+    FaultInjectionDisabled,
+)
 from engine.core.protocol import EngineRequest, EngineStats, FaultReport, ModelInfo, RequestOutput
-from engine.core.sampling_params import ParamError
-from engine.llm_engine import LLMEngine, validate_request
+from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +78,8 @@ class AsyncEngine:
         self._ready = threading.Event()
         self._load_error: str | None = None
         self._num_waiting = 0
+        self._stats = EngineStats()
+        self._stats_listeners: list[Callable[[EngineStats], None]] = []
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -92,7 +104,7 @@ class AsyncEngine:
     @property
     def model_info(self) -> ModelInfo:
         if self._engine is None:
-            raise RuntimeError("the model is not loaded yet")
+            raise EngineNotReady("the model is not loaded yet")
         return self._engine.model_info
 
     @property
@@ -100,16 +112,27 @@ class AsyncEngine:
         return self._num_waiting
 
     def stats(self) -> EngineStats:
-        if self._engine is None:
-            return EngineStats()
-        return self._engine.stats()
+        """The latest snapshot the engine thread published (read on the event loop)."""
+        return self._stats
+
+    def add_stats_listener(self, listener: Callable[[EngineStats], None]) -> None:
+        """listener(snapshot) runs on the event loop once for every published snapshot."""
+        self._stats_listeners.append(listener)
 
     # -- requests -----------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Yield deltas until finished; leaving early (disconnect) aborts the request."""
-        validate_request(request, self.model_info)
+        """Yield deltas until finished; leaving early (disconnect) aborts the request.
+
+        AsyncEngine is no edge: `request` must already be valid for model_info, and it is
+        not checked again here nor on the engine thread. app/serving.py runs
+        engine.core.validation.validate_request once per request; a direct user of
+        AsyncEngine calls it first (validate_request(request, engine.model_info)). Only what
+        the engine's own state depends on is checked: a request id that is still running
+        raises DuplicateRequest, and a request that breaks the scheduler's asserts ends with
+        RequestOutput.error while the engine keeps serving.
+        """
         if request.request_id in self._streams:
-            raise ParamError("request_id", f"request id {request.request_id!r} is already running")
+            raise DuplicateRequest(request.request_id)
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request.request_id] = stream
         self._num_waiting += 1
@@ -131,12 +154,13 @@ class AsyncEngine:
     async def inject_fault(
         self, kind: str, block_id: int | None = None, other_block_id: int | None = None
     ) -> FaultReport:
-        """Fault drill, applied by the engine thread between two steps (LLMEngine.inject_fault:
-        PermissionError when disabled, ValueError for a bad kind or target)."""
+        """Fault drill, applied by the engine thread between two steps. Raises
+        FaultInjectionDisabled when disabled, EngineNotReady when the engine is not running,
+        and what LLMEngine.inject_fault raises (UnknownFaultKind, InvalidFaultTarget)."""
         if not self.config.enable_fault_injection:
-            raise PermissionError("fault injection is disabled (--enable-fault-injection)")
+            raise FaultInjectionDisabled("fault injection is disabled (--enable-fault-injection)")
         if not self.is_ready:
-            raise RuntimeError("the engine is not running")
+            raise EngineNotReady("the engine is not running")
         command = _InjectFault(kind, block_id, other_block_id)
         self._commands.put(command)
         return await asyncio.wrap_future(command.result)
@@ -161,7 +185,7 @@ class AsyncEngine:
             except Exception as exc:  # a bug outside the model: fail the live requests, go on
                 logger.exception("engine step failed")
                 outputs = self._fail_live_requests(engine, f"{type(exc).__name__}: {exc}")
-            self._deliver(outputs)
+            self._deliver(outputs, engine.latest_stats)
 
     @staticmethod
     def _fail_live_requests(engine: LLMEngine, reason: str) -> list[RequestOutput]:
@@ -191,7 +215,7 @@ class AsyncEngine:
     def _abort(self, engine: LLMEngine, command: _Abort) -> None:
         try:
             outputs = engine.abort_request(command.request_id, command.choice_index)
-        except ValueError:  # one choice of a request that has not forked yet: abort it all
+        except ChoiceNotForked:  # its choices share one sequence still: abort them all
             outputs = engine.abort_request(command.request_id, None)
         self._deliver(outputs)
 
@@ -206,8 +230,8 @@ class AsyncEngine:
 
     def _add(self, engine: LLMEngine, request: EngineRequest) -> None:
         try:
-            engine.add_request(request)
-        except Exception as exc:  # validated on the loop already; this is a last resort
+            engine.add_request(request, is_validated=True)  # validated at the edge (generate)
+        except Exception as exc:  # the scheduler's asserts: fail this request, keep serving
             logger.exception("rejected request %s", request.request_id)
             self._deliver(
                 [
@@ -221,13 +245,20 @@ class AsyncEngine:
                 ]
             )
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        if not outputs or self._loop is None:
+    def _deliver(self, outputs: list[RequestOutput], stats: EngineStats | None = None) -> None:
+        if self._loop is None or (not outputs and stats is None):
             return
-        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        self._loop.call_soon_threadsafe(self._dispatch, outputs, stats)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], stats: EngineStats | None) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put_nowait(output)
+        if stats is not None and stats is not self._stats:
+            self._stats = stats
+            for listener in self._stats_listeners:
+                try:
+                    listener(stats)
+                except Exception:  # a broken reader must not stop the outputs
+                    logger.exception("stats listener failed")

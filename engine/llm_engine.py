@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.audit.auditor import Auditor
+from engine.audit.faults import FaultInjector
 from engine.core.batch import ModelRunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
+from engine.core.errors import FaultInjectionDisabled
 from engine.core.protocol import (
     EngineRequest,
     EngineStats,
@@ -20,8 +21,9 @@ from engine.core.protocol import (
     RequestOutput,
     StepSample,
 )
-from engine.core.sampling_params import ParamError, SamplingParams
+from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.core.validation import validate_request
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.runtime.model_runner import ModelRunner
@@ -29,26 +31,6 @@ from engine.runtime.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 _MAX_RECENT_STEPS = 10_000
-
-
-def validate_request(request: EngineRequest, model_info: ModelInfo) -> None:
-    """Raise ParamError naming the field when the engine cannot serve `request`."""
-    prompt = request.prompt_token_ids
-    if not prompt:
-        raise ParamError("prompt", "prompt must contain at least one token")
-    if len(prompt) >= model_info.max_model_len:
-        raise ParamError(
-            "prompt",
-            f"prompt has {len(prompt)} tokens but the model's context window is "
-            f"{model_info.max_model_len} tokens (at least one must be left to generate)",
-        )
-    vocab_size = model_info.vocab_size
-    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ParamError(
-            "prompt", f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})"
-        )
-    request.sampling_params.check_token_ids(vocab_size)
 
 
 @dataclass
@@ -65,8 +47,11 @@ class GenerationResult:
 class LLMEngine:
     """Owns the model runner, the KV cache manager and the scheduler; one step at a time.
 
-    Not thread-safe: one thread drives add_request/abort_request/step/inject_fault. stats()
-    may be read from another thread (it copies plain numbers).
+    Not thread-safe: one thread drives add_request/abort_request/step/inject_fault. After
+    every step it publishes an immutable EngineStats as `latest_stats` (one reference
+    assignment); that snapshot is the only thing another thread may read, and readers never
+    call into the engine for figures. step_samples keeps the recent steps for offline drivers
+    on the same thread (benchmarks).
 
     The cache auditor (engine/audit/auditor.py) runs inside step(): after the model step, with the
     token budget the step left. has_unfinished_requests() stays True while audits are queued,
@@ -80,9 +65,10 @@ class LLMEngine:
         self.kv_cache_manager = self._build_kv_cache_manager()
         self.scheduler = self._build_scheduler()
         self.auditor = Auditor(config, self.runner, self.kv_cache_manager, self.scheduler.get_seq)
-        self._recent_steps: deque[StepSample] = deque(maxlen=_MAX_RECENT_STEPS)
-        self._stats_lock = threading.Lock()
-        self._num_leaked_blocks = 0
+        self.faults = FaultInjector(self.kv_cache_manager, self.runner.kv_caches)  # drills only
+        self.step_samples: deque[StepSample] = deque(maxlen=_MAX_RECENT_STEPS)
+        self._num_steps = 0
+        self.latest_stats = self._snapshot(None)
 
     def _build_kv_cache_manager(self) -> KVCacheManager:
         pool = BlockPool(self.runner.num_kv_blocks, self.runner.block_size)
@@ -101,8 +87,14 @@ class LLMEngine:
         )
 
     # -- requests -----------------------------------------------------------------------
-    def add_request(self, request: EngineRequest) -> None:
-        validate_request(request, self.model_info)
+    def add_request(self, request: EngineRequest, *, is_validated: bool = False) -> None:
+        """Queue `request`. Offline this is the edge: it runs validate_request (ParamError
+        names a bad field). is_validated=True skips that for a caller whose edge already ran
+        it (AsyncEngine: app/serving.py validated the request); the scheduler still asserts
+        what its own state depends on (a unique id, a prompt that fits the context window).
+        """
+        if not is_validated:
+            validate_request(request, self.model_info)
         self.scheduler.add_request(request)
 
     def abort_request(
@@ -126,17 +118,19 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         self.auditor.start(self.scheduler.take_cache_hits())  # before execute: logits kept
         if sched_out.is_empty:
-            self._check_leaks_when_idle()
             # Requests the scheduler finished without running (e.g. never fit) still report.
             outputs = self.scheduler.update_from_output(sched_out, ModelRunnerOutput())
             self._run_audits(sched_out)
+            self._publish(None)
             return outputs
         try:
             runner_out = self.runner.execute(sched_out)
         except Exception as exc:  # an engine fault: fail what it touched, keep serving
             logger.exception("model step failed; failing %d sequences", len(sched_out.seqs))
             message = f"engine fault while running the model: {type(exc).__name__}: {exc}"
-            return self.scheduler.fail_seqs([s.seq_id for s in sched_out.seqs], message)
+            outputs = self.scheduler.fail_seqs([s.seq_id for s in sched_out.seqs], message)
+            self._publish(None)
+            return outputs
         outputs = self.scheduler.update_from_output(sched_out, runner_out)
         self._run_audits(sched_out)
         sample = StepSample(
@@ -144,8 +138,8 @@ class LLMEngine:
             num_seqs=len(sched_out.seqs),
             num_tokens=sched_out.num_batched_tokens,
         )
-        with self._stats_lock:
-            self._recent_steps.append(sample)
+        self.step_samples.append(sample)
+        self._publish(sample)
         return outputs
 
     def _run_audits(self, sched_out: SchedulerOutput) -> None:
@@ -162,23 +156,19 @@ class LLMEngine:
     def inject_fault(
         self, kind: str, block_id: int | None = None, other_block_id: int | None = None
     ) -> FaultReport:
-        """Fault drill (between steps): corrupt_block | wrong_block, see engine/audit/auditor.py.
+        """Fault drill (between steps): corrupt_block | wrong_block, see engine/audit/faults.py.
 
-        Raises PermissionError unless config.enable_fault_injection, ValueError for an
-        unknown kind or a target that is not cached.
+        Raises FaultInjectionDisabled unless config.enable_fault_injection, UnknownFaultKind
+        for an unknown kind, InvalidFaultTarget for a target that is not cached.
         """
         if not self.config.enable_fault_injection:
-            raise PermissionError(
+            raise FaultInjectionDisabled(
                 "fault injection is disabled; start the engine with enable_fault_injection "
                 "(kvshare serve --enable-fault-injection)"
             )
-        report = self.auditor.inject_fault(kind, block_id, other_block_id)
+        report = self.faults.inject(kind, block_id, other_block_id)
         logger.warning("fault injected: %s", report.detail)
         return report
-
-    def _check_leaks_when_idle(self) -> None:
-        if not self.scheduler.has_unfinished_requests():
-            self._num_leaked_blocks = self.scheduler.num_leaked_blocks()
 
     # -- offline convenience ------------------------------------------------------------
     def generate(
@@ -193,9 +183,16 @@ class LLMEngine:
             else [sampling_params] * len(prompts)
         )
         request_ids = [f"offline-{id(self)}-{i}" for i in range(len(prompts))]
+        requests = [
+            EngineRequest(request_id, list(prompt), param)
+            for request_id, prompt, param in zip(request_ids, prompts, params, strict=True)
+        ]
+        for request in requests:  # all of them first: a bad prompt queues nothing
+            validate_request(request, self.model_info)
         results = {}
-        for request_id, prompt, param in zip(request_ids, prompts, params, strict=True):
-            self.add_request(EngineRequest(request_id, list(prompt), param))
+        for request, prompt, param in zip(requests, prompts, params, strict=True):
+            request_id = request.request_id
+            self.add_request(request, is_validated=True)
             results[request_id] = GenerationResult(
                 token_ids=[[] for _ in range(param.n)],
                 finish_reasons=[None] * param.n,
@@ -209,20 +206,27 @@ class LLMEngine:
 
     # -- figures --------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        """A snapshot; recent_steps holds the steps since the previous call (drained)."""
-        stats = self.scheduler.stats()
-        stats.num_leaked_blocks = self._num_leaked_blocks
-        stats.bytes_per_block = self.runner.bytes_per_block
+        """The snapshot published after the last step (see latest_stats)."""
+        return self.latest_stats
+
+    def _publish(self, step: StepSample | None) -> None:
+        """End of a step: replace latest_stats by a fresh snapshot (O(1) in pool size)."""
+        self._num_steps += step is not None
+        self.latest_stats = self._snapshot(step)
+
+    def _snapshot(self, step: StepSample | None) -> EngineStats:
         audits = self.auditor.counters
-        stats.num_audits = audits.num_audits
-        stats.num_audit_corruptions = audits.num_corruptions
-        stats.num_audit_drifts = audits.num_drifts
-        stats.num_audits_dropped = audits.num_dropped
-        stats.recent_audit_max_abs_diffs = self.auditor.drain_recent_max_abs_diffs()
-        with self._stats_lock:
-            stats.recent_steps = list(self._recent_steps)
-            self._recent_steps.clear()
-        return stats
+        return replace(
+            self.scheduler.stats(),
+            bytes_per_block=self.runner.bytes_per_block,
+            num_audits=audits.num_audits,
+            num_audit_corruptions=audits.num_corruptions,
+            num_audit_drifts=audits.num_drifts,
+            num_audits_dropped=audits.num_dropped,
+            num_steps=self._num_steps,
+            step=step,
+            audit_max_abs_diffs=tuple(self.auditor.drain_recent_max_abs_diffs()),
+        )
 
 
 def _accumulate(result: GenerationResult, output: RequestOutput) -> None:

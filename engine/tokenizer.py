@@ -20,6 +20,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from engine.core.errors import KVShareError
+
 # vLLM's trick: decode a few prompt tokens as context so that the first generated token
 # gets its leading space right with SentencePiece-style tokenizers.
 _NUM_CONTEXT_TOKENS = 5
@@ -27,7 +29,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(KVShareError):
     """The chat template refused the conversation (raise_exception) or is missing/broken."""
 
 

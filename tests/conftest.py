@@ -1,65 +1,25 @@
-"""Shared fixtures: tiny random HF checkpoints saved to disk, and a paged-batch builder.
+"""Shared fixtures: tiny random HF checkpoints saved to disk, and a paged-batch builder; and
+the one place that skips `gpu`-marked tests without a CUDA device.
 
-torch and transformers are imported inside the fixtures so that test modules which never
-touch a model (app/, engine core) do not pay for them.
+torch and transformers are imported inside the fixtures (and the hook) so that test modules
+which never touch a model (app/, engine core) do not pay for them.
+
+GPU tests: mark them `pytestmark = pytest.mark.gpu` (or mark the test or param); the hook
+below skips them when CUDA is absent. A module skips itself at import time only where an
+import would fail there; one that needs compiled Triton adds the `compiled_triton` fixture
+and imports triton code inside its tests, never while it is collected.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-TINY_VOCAB = 256
-TINY_MAX_LEN = 256
-
-# Small enough to run in milliseconds; GQA (4 query heads over 2 KV heads); peaky logits
-# (initializer_range) so greedy argmax has no near-ties to flip on.
-TINY_CONFIG: dict[str, Any] = {
-    "vocab_size": TINY_VOCAB,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": TINY_MAX_LEN,
-    "initializer_range": 0.2,
-    "rms_norm_eps": 1e-5,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "tie_word_embeddings": False,
-}
-
-
-def _config_class(arch: str):
-    import transformers
-
-    return {
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-    }[arch]
-
-
-def build_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any):
-    """A random HF model of family `arch` ("llama" | "mistral" | "qwen2" | "qwen3"), eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = _config_class(arch)(**{**TINY_CONFIG, **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    # HF initialises biases to 0 and norm weights to 1; random ones make them matter.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.2)
-            elif "norm" in name:
-                param.uniform_(0.5, 1.5)
-    return model
+from tests.tiny_models import build_tiny_hf_model
 
 
 @pytest.fixture(scope="session")
@@ -124,3 +84,33 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# -- GPU tests ---------------------------------------------------------------------------------
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every `gpu`-marked test when torch sees no CUDA device."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items or _cuda_is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker, tests/conftest.py)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+def _cuda_is_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def compiled_triton() -> None:
+    """Skip unless Triton compiles kernels here: triton installed, TRITON_INTERPRET unset.
+
+    A fixture, not a module-level check, because importing triton while tests are collected
+    leaves it loaded outside the interpreter, and test_triton_kernels.py would then have to
+    run in a fresh process.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1: kernels would not be compiled")
+    pytest.importorskip("triton")

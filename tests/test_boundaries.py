@@ -1,67 +1,195 @@
-"""Import boundaries, checked in fresh interpreters (see DESIGN.md, module map).
-
-app/ never loads torch; the engine core never loads torch nor the web stack.
+"""Import boundaries (DESIGN.md, module map): the rules of tests/boundary_rules.py hold on the
+repository, per folder, statically and in fresh interpreters; and the checker fails on a copy
+of the layers with a bad import added.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-WEB_STACK = ("fastapi", "starlette", "pydantic", "uvicorn")
-TORCH = ("torch", "transformers")
-ENGINE_CORE = (
-    "engine.core.protocol",
-    "engine.core.sampling_params",
-    "engine.core.config",
-    "engine.core.batch",
-    "engine.kv.block_pool",
-    "engine.tokenizer",
-    "engine.core.sequence",
-    "engine.kv.radix_cache",
-    "engine.kv.kv_cache_manager",
-    "engine.core.admission",
-    "engine.core.scheduler",
+from tests.boundary_rules import (
+    REPO_ROOT,
+    RULES,
+    TORCH_FREE_RULES,
+    TORCH_STACK,
+    WEB_STACK,
+    Rule,
+    loaded_after_import,
+    module_files,
+    module_name,
+    violations,
 )
 
-
-def loaded_after_import(module: str, candidates: tuple[str, ...]) -> list[str]:
-    """Which of `candidates` a fresh interpreter has loaded after `import module`."""
-    code = (
-        "import importlib, json, sys\n"
-        f"importlib.import_module({module!r})\n"
-        f"print(json.dumps([m for m in {list(candidates)!r} if m in sys.modules]))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return json.loads(result.stdout)
+RULES_BY_PATH = {rule.path: rule for rule in RULES}
 
 
-def _require(module: str) -> None:
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} does not exist yet")
+@pytest.mark.parametrize("rule", RULES, ids=str)
+def test_rule_holds(rule: Rule) -> None:
+    assert violations(rule) == []
+
+
+@pytest.mark.parametrize("rule", TORCH_FREE_RULES, ids=str)
+def test_torch_free_layers_load_neither_torch_nor_the_web_stack(rule: Rule) -> None:
+    modules = [module_name(file) for file in module_files(rule)]
+    assert modules  # violations() says so too; here it would pass on nothing
+    loaded = loaded_after_import(modules, TORCH_STACK + WEB_STACK)
+    assert loaded == {module: [] for module in modules}
 
 
 @pytest.mark.parametrize("module", ["app.server", "app.cli"])
 def test_app_does_not_load_torch(module: str) -> None:
-    assert loaded_after_import(module, TORCH) == []
+    assert loaded_after_import([module], TORCH_STACK) == {module: []}
 
 
-@pytest.mark.parametrize("module", ENGINE_CORE)
-def test_engine_core_loads_neither_torch_nor_the_web_stack(module: str) -> None:
-    _require(module)
-    assert loaded_after_import(module, TORCH + WEB_STACK) == []
+# -- the checker itself, on a copy of the torch-free layers ------------------------------------
+@pytest.fixture
+def layers(tmp_path: Path) -> Path:
+    """A copy of engine/__init__.py, engine/core and engine/kv: a minimal engine package."""
+    (tmp_path / "engine").mkdir()
+    shutil.copy(REPO_ROOT / "engine" / "__init__.py", tmp_path / "engine")
+    for folder in ("core", "kv"):
+        shutil.copytree(
+            REPO_ROOT / "engine" / folder,
+            tmp_path / "engine" / folder,
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+    return tmp_path
+
+
+def append(root: Path, path: str, code: str) -> int:
+    """Append `code` to the module at `path`; the line its last line lands on."""
+    file = root / path
+    text = file.read_text().rstrip("\n") + "\n\n" + code.strip("\n") + "\n"
+    file.write_text(text)
+    return len(text.splitlines())
+
+
+BAD_IMPORTS = [
+    # (module, code appended, rule, the module it imports), id
+    pytest.param("engine/core/batch.py", "import torch", "engine/core", "torch", id="core-torch"),
+    pytest.param("engine/kv/block_pool.py", "import torch", "engine/kv", "torch", id="kv-torch"),
+    pytest.param(
+        "engine/core/sampling_params.py",
+        "def f():\n    from torch import nn",
+        "engine/core",
+        "torch",
+        id="core-torch-in-a-function",
+    ),
+    pytest.param(
+        "engine/kv/radix_cache.py",
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    import torch.nn",
+        "engine/kv",
+        "torch.nn",
+        id="kv-torch-for-type-checking",
+    ),
+    pytest.param(
+        "engine/kv/block_pool.py",
+        "import importlib\n\ntorch = importlib.import_module('torch')",
+        "engine/kv",
+        "torch",
+        id="kv-torch-by-import_module",
+    ),
+    pytest.param(
+        "engine/kv/kv_cache_manager.py",
+        "import transformers",
+        "engine/kv",
+        "transformers",
+        id="kv-transformers",
+    ),
+    pytest.param(
+        "engine/core/config.py", "import pydantic", "engine/core", "pydantic", id="core-pydantic"
+    ),
+    pytest.param(
+        "engine/core/config.py", "import pydantic", "engine", "pydantic", id="engine-pydantic"
+    ),
+    pytest.param(
+        "engine/core/protocol.py",
+        "from fastapi import FastAPI",
+        "engine",
+        "fastapi",
+        id="engine-fastapi",
+    ),
+    pytest.param(
+        "engine/kv/block_pool.py", "from app import server", "engine", "app", id="engine-app"
+    ),
+    pytest.param(
+        "engine/core/batch.py",
+        "from engine.kv.radix_cache import RadixCache",
+        "engine/core",
+        "engine.kv.radix_cache",
+        id="core-radix-cache",
+    ),
+    pytest.param(
+        "engine/core/batch.py",
+        "from ..kv import block_pool",
+        "engine/core",
+        "engine.kv.block_pool",
+        id="core-block-pool-relative",
+    ),
+    pytest.param(
+        "engine/core/batch.py",
+        "import engine.runtime.sampler",
+        "engine/core",
+        "engine.runtime.sampler",
+        id="core-runtime",
+    ),
+    pytest.param(
+        "engine/kv/radix_cache.py",
+        "from engine.runtime import sampler",
+        "engine/kv",
+        "engine.runtime",
+        id="kv-runtime",
+    ),
+    pytest.param(
+        "engine/kv/radix_cache.py",
+        "from engine import llm_engine",
+        "engine/kv",
+        "engine",
+        id="kv-driver",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "code", "rule_path", "imported"), BAD_IMPORTS)
+def test_the_checker_fails_on_a_bad_import(
+    layers: Path, path: str, code: str, rule_path: str, imported: str
+) -> None:
+    rule = RULES_BY_PATH[rule_path]
+    before = violations(rule, layers)  # today's state of the copied layers, whatever it is
+    line = append(layers, path, code)
+    added = [v for v in violations(rule, layers) if v not in before]
+    assert added == [f"{path}:{line}: imports {imported}"]
+
+
+def test_the_checker_accepts_what_the_rules_allow(layers: Path) -> None:
+    core, kv = RULES_BY_PATH["engine/core"], RULES_BY_PATH["engine/kv"]
+    before = violations(core, layers), violations(kv, layers)
+    append(layers, "engine/core/batch.py", "from engine.kv.kv_cache_manager import KVCacheManager")
+    append(layers, "engine/core/config.py", "from engine.kv import kv_cache_manager")
+    append(layers, "engine/kv/block_pool.py", "from engine.core.batch import BlockCopy")
+    append(layers, "engine/kv/radix_cache.py", "from . import block_pool\nimport json")
+    assert (violations(core, layers), violations(kv, layers)) == before
+
+
+@pytest.mark.parametrize("rule_path", ["engine/core", "engine/kv", "engine/tokenizer.py"])
+def test_a_rule_without_modules_fails(layers: Path, rule_path: str) -> None:
+    rule = RULES_BY_PATH[rule_path]
+    target = layers / rule.path
+    if target.is_dir():  # only __init__.py left, as if the layer had moved away
+        for file in target.rglob("*.py"):
+            if file.name != "__init__.py":
+                file.unlink()
+    assert violations(rule, layers) == [
+        f"{rule.path}: no module to check (did the layer move? move its rule)"
+    ]
+
+
+def test_the_fresh_interpreter_check_sees_a_torch_import(layers: Path) -> None:
+    append(layers, "engine/core/batch.py", "import torch")
+    loaded = loaded_after_import(
+        ["engine.core.sampling_params", "engine.core.batch"], TORCH_STACK, layers
+    )
+    assert loaded == {"engine.core.sampling_params": [], "engine.core.batch": ["torch"]}

@@ -3,8 +3,7 @@
 from fastapi import APIRouter, Request, Response
 
 from app.protocol import ChatCompletionRequest
-from app.routes.deps import AdmittedServing, Record
-from app.streaming import respond
+from app.routes.deps import AdmittedServing, Record, respond_to
 
 router = APIRouter()
 
@@ -14,4 +13,4 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, serving: AdmittedServing, record: Record
 ) -> Response:
     prepared = serving.prepare_chat(body, record)
-    return await respond(request, serving, prepared, record, stream=bool(body.stream))
+    return await respond_to(request, serving, prepared, record, stream=bool(body.stream))

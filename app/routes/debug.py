@@ -2,7 +2,8 @@
 
 Only a server started with --enable-fault-injection (engine key enable_fault_injection) acts
 on it; any other answers 403 with an OpenAI error body. With API keys configured the route
-needs one, like /v1/.
+needs one, like /v1/. The engine's refusals (FaultInjectionDisabled, InvalidFaultTarget,
+EngineNotReady) become statuses through app/errors.py's ENGINE_ERRORS.
 """
 
 from __future__ import annotations
@@ -13,21 +14,23 @@ from typing import Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.errors import SERVER_ERROR, APIError
 from app.routes.deps import State
+from engine.core.errors import FaultInjectionDisabled
+from engine.core.protocol import FAULT_KINDS
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
 
 
 class FaultRequest(BaseModel):
-    """corrupt_block: overwrite a cached block's K/V with noise. wrong_block: make the prefix
-    cache map a block's tokens to another cached block. Targets default to the first block
-    of the most recently used cached prefix (and, for wrong_block, a block off it)."""
+    """corrupt_block: overwrite a cached block's K/V with noise. wrong_block: exchange the K/V
+    of two cached blocks, so each one's tokens map to the other's KV. Targets default to the
+    first block of the most recently used cached prefix (and, for wrong_block, a block off it).
+    See engine/audit/faults.py."""
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["corrupt_block", "wrong_block"]
+    kind: Literal[FAULT_KINDS]
     block_id: int | None = Field(default=None, ge=0)
     other_block_id: int | None = Field(default=None, ge=0)
 
@@ -42,19 +45,12 @@ def require_fault_injection(state: State) -> None:
     """Runs before the body is validated: a disabled server says 403 to any request."""
     if not state.settings.engine.enable_fault_injection:
         message = "Fault injection is disabled; start the server with --enable-fault-injection."
-        raise APIError(403, message, code="fault_injection_disabled")
+        raise FaultInjectionDisabled(message)
 
 
 @router.post("/debug/faults", dependencies=[Depends(require_fault_injection)])
 async def inject_fault(body: FaultRequest, state: State) -> FaultResponse:
     state.ready_serving()  # 503 while loading or draining
-    try:
-        report = await state.engine.inject_fault(body.kind, body.block_id, body.other_block_id)
-    except PermissionError as e:
-        raise APIError(403, str(e), code="fault_injection_disabled") from e
-    except ValueError as e:
-        raise APIError(409, str(e), code="no_fault_target") from e
-    except RuntimeError as e:
-        raise APIError(503, str(e), type=SERVER_ERROR, code="not_ready") from e
+    report = await state.engine.inject_fault(body.kind, body.block_id, body.other_block_id)
     logger.warning("fault drill: %s", report.detail)
     return FaultResponse(kind=report.kind, block_ids=report.block_ids, detail=report.detail)

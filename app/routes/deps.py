@@ -6,12 +6,13 @@ import asyncio
 import logging
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Response
 
 from app.errors import SERVER_ERROR, APIError
 from app.metrics import ServerMetrics
-from app.serving import OpenAIServing, RequestRecord, ServedModel
+from app.serving import OpenAIServing, Prepared, RequestRecord, ServedModel
 from app.settings import Settings
+from app.streaming import respond
 from engine.core.protocol import EngineClient
 from engine.tokenizer import Tokenizer
 
@@ -120,6 +121,23 @@ def get_admitted_serving(state: State) -> OpenAIServing:
 def get_record(request: Request) -> RequestRecord:
     record = getattr(request.state, "record", None)
     return record if record is not None else RequestRecord(request_id="-")
+
+
+async def respond_to(
+    request: Request,
+    serving: OpenAIServing,
+    prepared: Prepared,
+    record: RequestRecord,
+    stream: bool,
+) -> Response:
+    """Answer a prepared generation request as SSE or as one JSON body (app/streaming.py)."""
+    return await respond(
+        request,
+        stream,
+        chunks=lambda: serving.stream(prepared, record),
+        complete=lambda: serving.complete(prepared, record),
+        keepalive_seconds=serving.settings.keepalive_seconds,
+    )
 
 
 ReadyServing = Annotated[OpenAIServing, Depends(get_ready_serving)]

@@ -43,9 +43,7 @@ leave one block per running sequence. A sampled hit beyond audit_max_pending que
 and an audit that could not progress for MAX_IDLE_STEPS steps (a saturated engine), are
 dropped and counted (num_audits_dropped).
 
-Fault drills (inject_fault; refused unless enable_fault_injection): corrupt_block overwrites a
-cached block's K/V with noise; wrong_block swaps two cached blocks in the tree, so a prefix
-points at KV of other tokens.
+Fault drills that show the audit at work live in engine/audit/faults.py.
 """
 
 from __future__ import annotations
@@ -53,7 +51,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
-import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,7 +59,6 @@ import torch
 
 from engine.core.batch import ScheduledSeq, SchedulerOutput
 from engine.core.config import EngineConfig
-from engine.core.protocol import FaultReport
 from engine.core.scheduler import CacheHit
 from engine.core.sequence import Sequence
 from engine.kv.kv_cache_manager import KVCacheManager
@@ -73,7 +69,6 @@ logger = logging.getLogger(__name__)
 
 CLEAN_ULPS = 64  # clean: within 64 machine epsilons (capped at a tenth of the tolerance)
 MAX_IDLE_STEPS = 64  # an audit that gets no tokens for this many steps is dropped
-FAULT_KINDS = ("corrupt_block", "wrong_block")
 _MAX_RECENT = 10_000
 
 
@@ -162,8 +157,6 @@ class Auditor:
         self._pending: deque[_Audit] = deque()
         self._next_audit_id = 0
         self._recent_diffs: deque[float] = deque(maxlen=_MAX_RECENT)
-        self._diffs_lock = threading.Lock()
-        self._num_faults = 0
 
     # -- queue ------------------------------------------------------------------------------
     @property
@@ -210,9 +203,10 @@ class Auditor:
             self._drop(audit)
 
     def drain_recent_max_abs_diffs(self) -> list[float]:
-        with self._diffs_lock:
-            diffs = list(self._recent_diffs)
-            self._recent_diffs.clear()
+        """The max-abs-diffs of audits finished since the last call (the engine puts them in
+        the step's stats snapshot; engine thread only, like everything here)."""
+        diffs = list(self._recent_diffs)
+        self._recent_diffs.clear()
         return diffs
 
     def _drop(self, audit: _Audit) -> None:
@@ -299,8 +293,7 @@ class Auditor:
         )  # fmt: skip
         self._release(audit)
         self.recent_results.append(result)
-        with self._diffs_lock:
-            self._recent_diffs.append(result.max_abs_diff)
+        self._recent_diffs.append(result.max_abs_diff)
         return result
 
     def _act(self, audit: _Audit, verdict: Verdict, suspects: list[int], error: float) -> list[int]:
@@ -340,37 +333,6 @@ class Auditor:
                     max_diff = torch.maximum(max_diff, block_diff)
                     max_error = torch.maximum(max_error, block_diff / scale)
         return max_diff.tolist(), max_error.tolist()
-
-    # -- fault drills -----------------------------------------------------------------------
-    def inject_fault(
-        self, kind: str, block_id: int | None = None, other_block_id: int | None = None
-    ) -> FaultReport:
-        """Damage the prefix cache on purpose (the caller checks it is allowed). Targets
-        default to the first block of the most recently used cached path; wrong_block's
-        other block defaults to a cached block off that path."""
-        cache = self.kv.prefix_cache
-        if kind not in FAULT_KINDS:
-            raise ValueError(f"unknown fault kind {kind!r}; use one of {', '.join(FAULT_KINDS)}")
-        if cache is None:
-            raise ValueError("the prefix cache is off: no cached block to damage")
-        path, cached = cache.recent_path_block_ids(), set(cache.tree_block_ids())
-        target = block_id if block_id is not None else next(iter(path), None)
-        if target is None or target not in cached:
-            raise ValueError(f"block {target} is not in the prefix cache")
-        if kind == "corrupt_block":
-            generator = torch.Generator().manual_seed(self._num_faults)
-            self._num_faults += 1
-            self.runner.corrupt_block(target, generator)
-            return FaultReport(kind, [target], f"overwrote the K/V of cached block {target}")
-        other = other_block_id
-        if other is None:
-            off_path = sorted(cached - set(path))
-            other = off_path[0] if off_path else next((b for b in path if b != target), None)
-        if other is None or other == target or other not in cached:
-            raise ValueError(f"wrong_block needs another cached block than {target}, got {other}")
-        cache.swap_blocks(target, other)
-        detail = f"the prefix cache now maps the tokens of block {target} to {other}, and back"
-        return FaultReport(kind, [target, other], detail)
 
 
 def _compare_logits(cached: torch.Tensor, recomputed: torch.Tensor) -> tuple[float, float, bool]:

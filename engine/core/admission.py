@@ -52,7 +52,7 @@ class AdmissionPolicy:
         its prefill ends, and stops being a leader when it decodes or leaves the running list.
         """
         kv = self.kv_cache_manager
-        if kv.prefix_cache is None:
+        if not kv.is_prefix_caching:
             return False
         token_ids = seq.token_slice(0, seq.num_tokens - 1)  # the most a match may cover
         num_cached = None

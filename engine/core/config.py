@@ -4,9 +4,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.core.sampling_params import ParamError
+from engine.core.errors import ParamError
 
+# The one list of each name a setting may take (app/settings.py and the runtime use these).
+TORCH_DTYPES = ("float32", "bfloat16", "float16")  # what a model runs in
+DTYPES = ("auto", *TORCH_DTYPES)  # auto: float32 on CPU, bfloat16 on CUDA
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine/runtime/attention/select.py
 SCHEDULING_POLICIES = ("fcfs", "longest-prefix-first")  # see engine/core/admission.py
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+# config key -> the values it may take
+CHOICES: dict[str, tuple[object, ...]] = {
+    "dtype": DTYPES,
+    "device": DEVICES,
+    "attention_backend": ATTENTION_BACKENDS,
+    "scheduling_policy": SCHEDULING_POLICIES,
+    "block_size": BLOCK_SIZES,
+}
+
+
+def _one_of(names: tuple[object, ...]) -> str:
+    """('a', 'b', 'c') -> 'must be a, b or c'."""
+    *rest, last = (str(name) for name in names)
+    return f"must be {', '.join(rest)} or {last}"
 
 
 @dataclass(frozen=True)
@@ -42,7 +62,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8, 16, 32, 64 or 128"),
             (
                 self.num_kv_blocks is None or self.num_kv_blocks >= 1,
                 "num_kv_blocks",
@@ -60,21 +79,9 @@ class EngineConfig:
             ),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
-            (
-                self.dtype in ("auto", "float32", "bfloat16", "float16"),
-                "dtype",
-                "must be auto, float32, bfloat16 or float16",
-            ),
-            (self.device in ("auto", "cpu", "cuda"), "device", "must be auto, cpu or cuda"),
-            (
-                self.attention_backend in ("auto", "torch", "cpu", "triton"),
-                "attention_backend",
-                "must be auto, torch, cpu or triton",
-            ),
-            (
-                self.scheduling_policy in SCHEDULING_POLICIES,
-                "scheduling_policy",
-                "must be fcfs or longest-prefix-first",
+            *(
+                (getattr(self, name) in choices, name, _one_of(choices))
+                for name, choices in CHOICES.items()
             ),
             (
                 self.max_model_len is None or self.max_model_len >= 1,
@@ -86,11 +93,7 @@ class EngineConfig:
             (self.audit_max_pending >= 1, "audit_max_pending", "must be >= 1"),
             *(
                 (getattr(self, name) > 0.0, name, "must be > 0")
-                for name in (
-                    "audit_tolerance_float32",
-                    "audit_tolerance_bfloat16",
-                    "audit_tolerance_float16",
-                )
+                for name in (f"audit_tolerance_{dtype}" for dtype in TORCH_DTYPES)
             ),
         ]
         for ok, name, rule in checks:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,7 +63,7 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepSample:
     """One engine step, for the step-duration and batch-size histograms."""
 
@@ -72,9 +72,12 @@ class StepSample:
     num_tokens: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the engine in plain numbers; app/metrics.py turns it into Prometheus."""
+    """An immutable snapshot of the engine in plain numbers; app/metrics.py turns it into
+    Prometheus. The engine thread publishes one after every step (LLMEngine.latest_stats);
+    readers keep the latest and never call into the engine for figures.
+    """
 
     num_running: int = 0
     num_waiting: int = 0
@@ -104,10 +107,14 @@ class EngineStats:
     num_audits_dropped: int = 0
     num_quarantined_blocks: int = 0
     num_write_violations: int = 0  # slot mappings that targeted a shared / cached block
-    finished_by_reason: dict[str, int] = field(default_factory=dict)
-    # Drained on each read: the steps since the previous stats() call.
-    recent_steps: list[StepSample] = field(default_factory=list)
-    recent_audit_max_abs_diffs: list[float] = field(default_factory=list)
+    # What the step that published this snapshot did: each snapshot is delivered once, so a
+    # reader histograms these without double counting.
+    num_steps: int = 0  # model steps so far (a sequence number)
+    step: StepSample | None = None  # None when no model step ran (idle, or a failed step)
+    audit_max_abs_diffs: tuple[float, ...] = ()  # audits that finished in that step
+
+
+FAULT_KINDS = ("corrupt_block", "wrong_block")  # the drills of engine/audit/faults.py
 
 
 @dataclass(frozen=True)
@@ -147,13 +154,23 @@ class EngineClient(Protocol):
         """The served model; only valid once is_ready is True."""
         ...
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Run a request the caller has validated (engine/core/validation.py); raises
+        DuplicateRequest for an id that is still running."""
+        ...
 
     async def abort(self, request_id: str, choice_index: int | None = None) -> None:
         """Abort a whole request, or only one of its choices (a stop string ended it)."""
         ...
 
-    def stats(self) -> EngineStats: ...
+    def stats(self) -> EngineStats:
+        """The latest snapshot the engine published (no call into the engine thread)."""
+        ...
+
+    def add_stats_listener(self, listener: Callable[[EngineStats], None]) -> None:
+        """listener(snapshot) runs on the event loop once for every snapshot the engine
+        publishes (one per step), in order."""
+        ...
 
     @property
     def is_ready(self) -> bool: ...
@@ -173,11 +190,9 @@ class EngineClient(Protocol):
     ) -> FaultReport:
         """Drills only: damage the prefix cache between two steps (see engine/audit/auditor.py).
 
-        Raises PermissionError unless the engine was configured with enable_fault_injection,
-        ValueError for an unknown kind or a target the cache does not hold.
+        Raises FaultInjectionDisabled unless the engine was configured with
+        enable_fault_injection, UnknownFaultKind for an unknown kind, InvalidFaultTarget for a
+        target the cache does not hold, EngineNotReady when the engine is not running
+        (engine/core/errors.py).
         """
         ...
-
-
-class EngineFault(RuntimeError):
-    """An error inside a step that failed only the requests it touched."""

@@ -4,16 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_MAX_SEED = 2**63 - 1
-
-
-class ParamError(ValueError):
-    """A bad request field; `param` names it so the HTTP layer can report it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
+from engine.core.errors import ParamError
+from engine.core.seeds import MAX_SEED
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -87,7 +79,7 @@ class SamplingParams:
                 f"logit_bias for token {token_id} must be in [-100, 100], got {bias}",
             )
         _check(
-            self.seed is None or 0 <= self.seed <= _MAX_SEED,
+            self.seed is None or 0 <= self.seed <= MAX_SEED,
             "seed",
             f"seed must be in [0, 2**63 - 1], got {self.seed}",
         )
@@ -124,17 +116,3 @@ class SamplingParams:
                 "stop_token_ids",
                 f"stop_token_ids token id {token_id} is outside the vocabulary [0, {vocab_size})",
             )
-
-
-def derive_seed(seed: int, index: int) -> int:
-    """Seed of choice `index` of a request seeded with `seed` (a pure function).
-
-    Choice 0 keeps the request seed, so n=1 and choice 0 of n>1 draw the same tokens.
-    """
-    if index == 0:
-        return seed
-    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 31
-    x = (x * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 29
-    return x & _MAX_SEED

@@ -15,7 +15,6 @@ num_write_violations, and the step goes on without that sequence.
 from __future__ import annotations
 
 import logging
-import secrets
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from engine.core.batch import (
     ScheduledSeq,
     SchedulerOutput,
 )
+from engine.core.errors import ChoiceNotForked
 from engine.core.protocol import (
     CompletionOutput,
     EngineRequest,
@@ -34,13 +34,11 @@ from engine.core.protocol import (
     FinishReason,
     RequestOutput,
 )
-from engine.core.sequence import Request, Sequence, SequenceStatus
+from engine.core.seeds import random_seed
+from engine.core.sequence import Request, Sequence, SequenceStatus, make_namespace
 from engine.kv.kv_cache_manager import KVCacheManager, WriteViolation
-from engine.kv.radix_cache import make_namespace
 
 logger = logging.getLogger(__name__)
-
-_MAX_SEED = 2**63 - 1
 
 
 @dataclass
@@ -53,7 +51,6 @@ class SchedulerCounters:
     num_generation_tokens: int = 0  # sampled tokens, every choice counted
     prefix_cache_queries: int = 0  # prompt tokens looked up at first admission (cache on)
     prefix_cache_hits: int = 0  # of those, tokens reused from the cache
-    finished_by_reason: dict[str, int] = field(default_factory=dict)  # finished requests
     num_write_violations: int = 0  # slot mappings into shared / cached blocks (requests failed)
 
 
@@ -158,9 +155,9 @@ class Scheduler:
         return hits
 
     def stats(self) -> EngineStats:
-        """Queue sizes, block usage and counters. Engine thread only (reads live state);
-        fields the scheduler does not fill (bytes_per_block, audits, num_leaked_blocks: the
-        engine counts leaks when idle, a full scan of the pool) stay default."""
+        """Queue sizes, block usage, the leak count and counters: O(1) or O(live sequences),
+        never a walk of the pool or the tree. Engine thread only (reads live state); fields
+        the scheduler does not own (bytes_per_block, audits, the step) stay default."""
         kv = self.kv_cache_manager
         usage = kv.usage
         counters = self.counters
@@ -185,7 +182,7 @@ class Scheduler:
             prefix_cache_hits=counters.prefix_cache_hits,
             num_quarantined_blocks=kv.num_quarantined_blocks,
             num_write_violations=counters.num_write_violations,
-            finished_by_reason=dict(counters.finished_by_reason),
+            num_leaked_blocks=self.num_leaked_blocks(),
         )
 
     # -- requests in and out -------------------------------------------------------------------
@@ -198,7 +195,7 @@ class Scheduler:
             f"request {request.request_id}: {num_prompt_tokens} prompt tokens, "
             f"max_model_len {self.max_model_len}"
         )
-        seed = params.seed if params.seed is not None else secrets.randbelow(_MAX_SEED + 1)
+        seed = params.seed if params.seed is not None else random_seed()
         seq = Sequence(
             seq_id=self._new_seq_id(),
             request_id=request.request_id,
@@ -225,7 +222,7 @@ class Scheduler:
 
         Returns the final delta (no new tokens, `reason` as finish_reason), or None when the
         request or choice is unknown or already finished. A single choice can be aborted only
-        once it has forked (it has output tokens); before that ValueError is raised.
+        once it has forked (it has output tokens); before that ChoiceNotForked is raised.
         """
         request = self._requests.get(request_id)
         if request is None:
@@ -236,7 +233,7 @@ class Scheduler:
             if seq is None or seq.is_finished:
                 return None
             if seq.num_choices > 1:
-                raise ValueError(
+                raise ChoiceNotForked(
                     f"choice {choice_index} of request {request_id} has not forked yet"
                 )
             seqs = [seq]
@@ -355,7 +352,7 @@ class Scheduler:
             return
         seq.was_admitted = True
         seq.num_cached_tokens = seq.num_computed_tokens
-        if self.kv_cache_manager.prefix_cache is not None:
+        if self.kv_cache_manager.is_prefix_caching:
             self.counters.prefix_cache_queries += seq.num_prompt_tokens
             self.counters.prefix_cache_hits += seq.num_cached_tokens
         if self.record_cache_hits and seq.num_cached_tokens > 0:
@@ -522,9 +519,6 @@ class Scheduler:
         """The delta for `request`; forgets the request once every choice has finished."""
         if request.is_finished:
             del self._requests[request.request_id]
-            reason = request.finish_reason.value
-            by_reason = self.counters.finished_by_reason
-            by_reason[reason] = by_reason.get(reason, 0) + 1
         return request.make_output(completions, error)
 
     def _new_seq_id(self) -> int:

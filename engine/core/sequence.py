@@ -19,10 +19,20 @@ from engine.core.protocol import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.core.sampling_params import SamplingParams, derive_seed
+from engine.core.sampling_params import SamplingParams
+from engine.core.seeds import derive_seed
 
 # A request whose choices finished for different reasons is counted under the first of these.
 _REASON_PRIORITY = (FinishReason.ERROR, FinishReason.ABORT, FinishReason.LENGTH, FinishReason.STOP)
+
+
+def make_namespace(
+    weights_version: str, adapter: str | None = None, cache_salt: str | None = None
+) -> tuple[str, str, str]:
+    """The prefix-cache namespace of a request: (weights version, adapter, cache salt).
+
+    KV is shared only between sequences of equal namespaces (DESIGN invariant 3)."""
+    return (weights_version, adapter or "", cache_salt or "")
 
 
 class SequenceStatus(enum.Enum):
@@ -53,7 +63,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)  # the block table
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    # Prefix cache: the namespace this sequence may share KV in (see radix_cache.make_namespace)
+    # Prefix cache: the namespace this sequence may share KV in (see make_namespace)
     # and the prompt tokens reused at its FIRST admission (re-admissions after a preemption
     # do not change it).
     cache_namespace: tuple[str, str, str] = ("", "", "")

@@ -4,12 +4,19 @@ Who holds a reference: each live sequence whose block table lists the block hold
 and the prefix tree holds one for every block it owns (`is_tree_owned`). The pool does not
 know the holders; KVCacheManager / RadixCache keep their own records and check_integrity()
 of the manager compares the sums.
+
+Every figure (blocks by state, filled slots, total refcount) is kept up to date as blocks
+change state, so usage() and the leak count cost the same for 1k blocks as for 100k; only
+check_integrity() walks the pool, and it recounts each figure from scratch.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+
+CachedListener = Callable[[int, bool], None]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -46,7 +53,22 @@ class BlockPool:
         self._free_ids: deque[int] = deque(range(num_blocks))
         # Tree-owned blocks with refcount 1: evictable on demand, so not "used" by requests.
         self._num_cached = 0
+        self._num_shared = 0  # refcount > 1
+        self._num_tree_owned = 0
+        self._num_filled_tokens = 0  # filled slots over all allocated blocks
+        self._total_refcount = 0
         self._peak_used = 0
+        self._cached_listener: CachedListener | None = None
+
+    def set_cached_listener(self, listener: CachedListener | None) -> None:
+        """listener(block_id, is_cached) runs whenever a block starts or stops being cached
+        (tree-owned with refcount 1): the radix cache keeps its evictable count with it."""
+        self._cached_listener = listener
+
+    def _set_cached(self, block_id: int, is_cached: bool) -> None:
+        self._num_cached += 1 if is_cached else -1
+        if self._cached_listener is not None:
+            self._cached_listener(block_id, is_cached)
 
     # -- allocation -------------------------------------------------------------------
     @property
@@ -63,6 +85,7 @@ class BlockPool:
         block_id = self._free_ids.popleft()
         assert self._refcounts[block_id] == 0, f"block {block_id} on the free list is in use"
         self._refcounts[block_id] = 1
+        self._total_refcount += 1
         self._num_tokens[block_id] = 0
         self._note_peak()
         return block_id
@@ -77,11 +100,15 @@ class BlockPool:
 
     def incref(self, block_id: int) -> int:
         assert self._refcounts[block_id] > 0, f"incref of free block {block_id}"
-        self._refcounts[block_id] += 1
-        if self._tree_owned[block_id] and self._refcounts[block_id] == 2:
-            self._num_cached -= 1  # a request took a cached block back into use
-            self._note_peak()
-        return self._refcounts[block_id]
+        refcount = self._refcounts[block_id] + 1
+        self._refcounts[block_id] = refcount
+        self._total_refcount += 1
+        if refcount == 2:
+            self._num_shared += 1
+            if self._tree_owned[block_id]:
+                self._set_cached(block_id, False)  # a request took a cached block back into use
+                self._note_peak()
+        return refcount
 
     def decref(self, block_id: int) -> int:
         """Drop one reference; at 0 the block is free again. Returns the new refcount."""
@@ -89,10 +116,14 @@ class BlockPool:
         assert refcount > 0, f"decref of free block {block_id}"
         refcount -= 1
         self._refcounts[block_id] = refcount
-        if self._tree_owned[block_id] and refcount == 1:
-            self._num_cached += 1
+        self._total_refcount -= 1
+        if refcount == 1:
+            self._num_shared -= 1
+            if self._tree_owned[block_id]:
+                self._set_cached(block_id, True)
         if refcount == 0:
             assert not self._tree_owned[block_id], f"block {block_id} freed while tree-owned"
+            self._num_filled_tokens -= self._num_tokens[block_id]
             self._num_tokens[block_id] = 0
             self._free_ids.append(block_id)
         return refcount
@@ -103,9 +134,12 @@ class BlockPool:
     # -- ownership and fill -------------------------------------------------------------
     def set_tree_owned(self, block_id: int, owned: bool) -> None:
         assert self._refcounts[block_id] > 0, f"tree ownership of free block {block_id}"
-        if owned != self._tree_owned[block_id] and self._refcounts[block_id] == 1:
-            self._num_cached += 1 if owned else -1
+        if owned == self._tree_owned[block_id]:
+            return
         self._tree_owned[block_id] = owned
+        self._num_tree_owned += 1 if owned else -1
+        if self._refcounts[block_id] == 1:
+            self._set_cached(block_id, owned)
 
     def is_tree_owned(self, block_id: int) -> bool:
         return self._tree_owned[block_id]
@@ -116,6 +150,8 @@ class BlockPool:
 
     def set_num_tokens(self, block_id: int, num_tokens: int) -> None:
         assert 0 <= num_tokens <= self.block_size
+        assert self._refcounts[block_id] > 0, f"fill of free block {block_id}"
+        self._num_filled_tokens += num_tokens - self._num_tokens[block_id]
         self._num_tokens[block_id] = num_tokens
 
     def num_tokens(self, block_id: int) -> int:
@@ -123,32 +159,26 @@ class BlockPool:
 
     # -- figures and checks -------------------------------------------------------------
     def usage(self) -> BlockUsage:
-        private = shared = cached = 0
-        filled = 0
-        for block_id, refcount in enumerate(self._refcounts):
-            if refcount == 0:
-                continue
-            filled += self._num_tokens[block_id]
-            if refcount > 1:
-                shared += 1
-            elif self._tree_owned[block_id]:
-                cached += 1
-            else:
-                private += 1
+        """Blocks by state and the fill figures, from the counters (no walk of the pool)."""
         used = self.num_used_blocks
         allocated_slots = used * self.block_size
+        unused_slots = allocated_slots - self._num_filled_tokens
         return BlockUsage(
             num_total_blocks=self.num_blocks,
             num_free_blocks=self.num_free_blocks,
-            num_private_blocks=private,
-            num_shared_blocks=shared,
-            num_cached_blocks=cached,
-            fragmentation_ratio=(allocated_slots - filled) / allocated_slots if used else 0.0,
+            num_private_blocks=used - self._num_shared - self._num_cached,
+            num_shared_blocks=self._num_shared,
+            num_cached_blocks=self._num_cached,
+            fragmentation_ratio=unused_slots / allocated_slots if used else 0.0,
             usage_watermark=self._peak_used / self.num_blocks,
         )
 
     def total_refcount(self) -> int:
-        return sum(self._refcounts)
+        return self._total_refcount
+
+    @property
+    def num_tree_owned_blocks(self) -> int:
+        return self._num_tree_owned
 
     def check_integrity(self) -> None:
         """Free list and refcounts agree: free <=> refcount 0, no duplicates, no tree owner."""
@@ -161,5 +191,23 @@ class BlockPool:
                 f"block {block_id}: refcount {refcount} but on free list: {is_free}"
             )
             assert not (is_free and self._tree_owned[block_id]), f"free block {block_id} tree-owned"
-        num_cached = sum(1 for b, r in enumerate(self._refcounts) if r == 1 and self._tree_owned[b])
-        assert num_cached == self._num_cached, f"cached count {self._num_cached} != {num_cached}"
+        self._check_counters()
+
+    def _check_counters(self) -> None:
+        """Every running figure equals a recount from scratch."""
+        refcounts, owned = self._refcounts, self._tree_owned
+        recount = {
+            "cached": sum(1 for b, r in enumerate(refcounts) if r == 1 and owned[b]),
+            "shared": sum(1 for r in refcounts if r > 1),
+            "tree-owned": sum(owned),
+            "filled": sum(n for n, r in zip(self._num_tokens, refcounts, strict=True) if r),
+            "refcount": sum(refcounts),
+        }
+        kept = {
+            "cached": self._num_cached,
+            "shared": self._num_shared,
+            "tree-owned": self._num_tree_owned,
+            "filled": self._num_filled_tokens,
+            "refcount": self._total_refcount,
+        }
+        assert kept == recount, f"pool counters {kept} != recount {recount}"

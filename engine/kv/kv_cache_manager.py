@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from engine.core.batch import BlockCopy
+from engine.core.intmath import cdiv
 from engine.core.sequence import Sequence
 from engine.kv.block_pool import BlockPool, BlockUsage
 from engine.kv.radix_cache import MatchResult, RadixCache, RadixNode
@@ -51,6 +52,10 @@ class KVCacheManager:
     between sequences of one namespace; when free blocks run short, allocation evicts
     unlocked cached blocks (LRU) before it reports failure. Without it, prefix_cache is None
     and admit() reuses nothing.
+
+    `pool` and `prefix_cache` are exposed for tests and checks; the scheduler, admission and
+    the auditor use the methods below only. Every figure here is O(1) or O(live sequences):
+    none walks the pool or the tree (check_integrity() does, to recount them).
     """
 
     def __init__(self, block_pool: BlockPool, enable_prefix_cache: bool = False) -> None:
@@ -83,8 +88,23 @@ class KVCacheManager:
     def num_evictions(self) -> int:
         return self.prefix_cache.num_evictions if self.prefix_cache is not None else 0
 
+    @property
+    def is_prefix_caching(self) -> bool:
+        """Whether admit() may reuse cached KV (the prefix cache is on)."""
+        return self.prefix_cache is not None
+
+    def cached_block_ids(self) -> list[int]:
+        """Every block the prefix cache holds, sorted ([] with the cache off)."""
+        return self.prefix_cache.tree_block_ids() if self.prefix_cache is not None else []
+
+    def recent_cached_path(self) -> list[int]:
+        """The blocks of the most recently used cached path, from position 0."""
+        if self.prefix_cache is None:
+            return []
+        return self.prefix_cache.recent_path_block_ids()
+
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether allocate_slots(seq, num_new_tokens) would succeed now (evicting if need be)."""
@@ -326,10 +346,11 @@ class KVCacheManager:
             )
 
     def num_leaked_blocks(self, live_seqs: Iterable[Sequence]) -> int:
-        """sum(refcounts) - references held by live sequences and the tree (must be 0)."""
-        held = sum(self._references(live_seqs).values())
-        tree = sum(self.pool.is_tree_owned(b) for b in range(self.pool.num_blocks))
-        return self.pool.total_refcount() - held - tree
+        """sum(refcounts) - references held by live sequences, other holders and the tree
+        (must be 0). O(live sequences): the pool keeps its sums as blocks change."""
+        held = sum(len(seq.block_ids) for seq in live_seqs)
+        held += sum(len(block_ids) for block_ids in self._held.values())
+        return self.pool.total_refcount() - held - self.pool.num_tree_owned_blocks
 
     # -- helpers ----------------------------------------------------------------------------
     def _match(self, seq: Sequence) -> MatchResult | None:

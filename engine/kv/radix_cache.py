@@ -12,8 +12,17 @@ as it holds it. Sequences hold their own references; the tree never touches thos
 RadixCache per BlockPool (tree ownership in the pool is one flag per block); not
 thread-safe: the engine thread is the only caller.
 
-Namespaces: one root per namespace key (see make_namespace). Nothing is ever shared across
-roots, so two tenants, adapters or weight versions never see each other's KV.
+Namespaces: one root per namespace key (engine.core.sequence.make_namespace). Nothing is
+ever shared across roots, so two tenants, adapters or weight versions never see each other's
+KV.
+
+Running figures. The evictable count and the LRU heap of eviction candidates are kept up to
+date as blocks change state, so neither allocation nor a stats read walks the tree. A tree
+block is pinned while someone besides the tree holds it (the pool reports each change); a
+node is blocked while it has a pinned block, an own lock or a blocked child. evict() frees
+the blocks after the last pinned one of every node without a lock and without a blocked
+child, so that is the evictable count; a change walks up only while a node's blocked state
+flips. check_integrity() recounts both from scratch.
 """
 
 from __future__ import annotations
@@ -28,13 +37,7 @@ from engine.kv.block_pool import BlockPool
 Namespace = Hashable
 
 _node_ids = count()
-
-
-def make_namespace(
-    weights_version: str, adapter: str | None = None, cache_salt: str | None = None
-) -> tuple[str, str, str]:
-    """The namespace key of a request: (weights version, adapter, cache salt)."""
-    return (weights_version, adapter or "", cache_salt or "")
+_MIN_HEAP_TO_COMPACT = 64  # stale heap entries are dropped once they outnumber live ones
 
 
 @dataclass(eq=False)
@@ -53,6 +56,12 @@ class RadixNode:
     lock_count: int = 0
     num_own_locks: int = 0
     last_access: int = 0
+    # Running figures (see the module docstring): pinned blocks of this edge, children that
+    # are blocked, whether this node is blocked, and how many of its blocks evict() can free.
+    num_pinned_blocks: int = 0
+    num_blocked_children: int = 0
+    is_blocked: bool = False
+    num_evictable_blocks: int = 0
     node_id: int = field(default_factory=lambda: next(_node_ids))
 
 
@@ -107,6 +116,11 @@ class RadixCache:
         self._clock = 0  # monotonic access counter: LRU order is deterministic
         self.num_evictions = 0  # blocks freed by evict()
         self.num_invalidated_blocks = 0  # blocks dropped by invalidate()
+        self._num_evictable = 0  # the sum of every node's num_evictable_blocks
+        # Eviction candidates by (last_access, node_id); entries go stale when the node
+        # changes and are skipped when popped (a lazy heap: no walk to rebuild it).
+        self._heap: list[tuple[int, int, RadixNode]] = []
+        pool.set_cached_listener(self._on_cached_change)
 
     # -- lookup -------------------------------------------------------------------------
     def match(
@@ -168,9 +182,11 @@ class RadixCache:
         return best
 
     def _touch_path(self, node: RadixNode | None) -> None:
+        deepest = node  # only it can be a leaf: offered again under its new LRU time
         while node is not None and not node.is_root:
             node.last_access = self._clock
             node = node.parent
+        self._offer(deepest)
 
     # -- insertion ----------------------------------------------------------------------
     def insert(
@@ -205,6 +221,7 @@ class RadixCache:
             if num_blocks < len(child.block_ids) and index < len(block_ids):
                 child = self._split(child, num_blocks)
             child.last_access = self._clock
+            self._offer(child)
             node = child
         return 0
 
@@ -213,12 +230,13 @@ class RadixCache:
     ) -> None:
         assert len(set(block_ids)) == len(block_ids), f"block listed twice: {list(block_ids)}"
         leaf = RadixNode(tuple(token_ids), list(block_ids), parent, last_access=self._clock)
+        parent.children[leaf.token_ids[: self.block_size]] = leaf
         for block_id in block_ids:
             assert not self.pool.is_tree_owned(block_id), f"block {block_id} is already cached"
             self.pool.incref(block_id)
             self.pool.set_tree_owned(block_id, True)
             self._node_of_block[block_id] = leaf
-        parent.children[leaf.token_ids[: self.block_size]] = leaf
+        self._recount(leaf)
 
     def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
         """Cut node's edge after num_blocks blocks; returns the new upper node.
@@ -243,6 +261,11 @@ class RadixCache:
         upper.children[node.token_ids[:bs]] = node
         for block_id in upper.block_ids:
             self._node_of_block[block_id] = upper
+        # upper takes node's place in parent's blocked-children count, then both recount.
+        upper.is_blocked = node.is_blocked
+        upper.num_blocked_children = int(node.is_blocked)
+        self._recount(node)
+        self._recount(upper)
         return upper
 
     # -- locking ------------------------------------------------------------------------
@@ -250,18 +273,76 @@ class RadixCache:
         """Protect node and all its ancestors from evict(); one unlock(node) undoes it."""
         node.num_own_locks += 1
         self._add_lock_count(node, 1)
+        self._refresh(node)
 
     def unlock(self, node: RadixNode) -> None:
         assert node.num_own_locks > 0, "unlock without a matching lock"
         node.num_own_locks -= 1
         self._add_lock_count(node, -1)
+        self._refresh(node)
 
     def _add_lock_count(self, node: RadixNode | None, delta: int) -> None:
         # Stops at a root, or at the top of a detached subtree (parent None).
         while node is not None and not node.is_root:
             node.lock_count += delta
             assert node.lock_count >= 0
+            if node.lock_count == 0:
+                self._offer(node)  # unlocked: it may be an eviction candidate again
             node = node.parent
+
+    # -- running figures ----------------------------------------------------------------
+    def _on_cached_change(self, block_id: int, is_cached: bool) -> None:
+        """The pool's report: a tree block became (or stopped being) held by the tree alone.
+        Blocks entering or leaving the tree are not indexed then: their node recounts."""
+        node = self._node_of_block.get(block_id)
+        if node is None:
+            return
+        node.num_pinned_blocks += -1 if is_cached else 1
+        self._refresh(node)
+        if is_cached:
+            self._offer(node)
+
+    def _recount(self, node: RadixNode) -> None:
+        """After node's block list changed: count its pinned blocks again, then refresh."""
+        node.num_pinned_blocks = sum(not self._is_held_by_tree_only(b) for b in node.block_ids)
+        self._refresh(node)
+
+    def _refresh(self, node: RadixNode | None) -> None:
+        """Update node's evictable blocks and blocked state; go up while the state flips."""
+        while node is not None and not node.is_root:
+            is_covered = node.num_own_locks > 0 or node.num_blocked_children > 0
+            num_evictable = 0 if is_covered else self._num_unpinned_tail_blocks(node)
+            self._num_evictable += num_evictable - node.num_evictable_blocks
+            node.num_evictable_blocks = num_evictable
+            is_blocked = is_covered or node.num_pinned_blocks > 0
+            if is_blocked == node.is_blocked:
+                return
+            node.is_blocked = is_blocked
+            if node.parent is not None:
+                node.parent.num_blocked_children += 1 if is_blocked else -1
+            node = node.parent
+
+    def _num_unpinned_tail_blocks(self, node: RadixNode) -> int:
+        if node.num_pinned_blocks == 0:
+            return len(node.block_ids)
+        return self._num_evictable_tail_blocks(node)
+
+    def _offer(self, node: RadixNode | None) -> None:
+        """Queue node for evict() if it is an eviction candidate now (duplicates are fine)."""
+        if node is None or not self._is_candidate(node):
+            return
+        if len(self._heap) > max(_MIN_HEAP_TO_COMPACT, 4 * len(self._node_of_block)):
+            self._compact_heap()
+        heapq.heappush(self._heap, (node.last_access, node.node_id, node))
+
+    def _compact_heap(self) -> None:
+        """Drop stale entries; amortised over the pushes that made them."""
+        live = {n.node_id: (a, i, n) for a, i, n in self._heap if self._is_current(a, n)}
+        self._heap = list(live.values())
+        heapq.heapify(self._heap)
+
+    def _is_current(self, last_access: int, node: RadixNode) -> bool:
+        return last_access == node.last_access and self._is_candidate(node)
 
     # -- eviction and removal -----------------------------------------------------------
     def evict(self, num_blocks: int) -> list[int]:
@@ -271,34 +352,45 @@ class RadixCache:
         trimmed, so a block a sequence still holds is never taken from the tree. Returns
         the freed block ids, which are back on the pool's free list.
         """
-        nodes = (n for root in self._roots.values() for n in self._preorder(root))
-        heap = [(n.last_access, n.node_id, n) for n in nodes if self._is_candidate(n)]
-        heapq.heapify(heap)
         freed: list[int] = []
-        while heap and len(freed) < num_blocks:
-            _, _, node = heapq.heappop(heap)
+        while self._heap and len(freed) < num_blocks:
+            last_access, _, node = heapq.heappop(self._heap)
+            if not self._is_current(last_access, node):
+                continue  # stale: the node changed since it was queued, or is gone
             block_id = node.block_ids[-1]
-            if not self._is_held_by_tree_only(block_id):
-                continue  # a sequence still holds it: evicting frees nothing, keep it cached
             next_candidate = self._detach(node) if len(node.block_ids) == 1 else node
+            self._release_block(block_id)
             node.block_ids.pop()
             node.token_ids = node.token_ids[: len(node.block_ids) * self.block_size]
-            self._release_block(block_id)
+            self._refresh(node)  # an unpinned tail block left: one evictable block fewer
             freed.append(block_id)
-            if self._is_candidate(next_candidate):  # the same leaf, or a parent now a leaf
-                entry = (next_candidate.last_access, next_candidate.node_id, next_candidate)
-                heapq.heappush(heap, entry)
+            self._offer(next_candidate)  # the same leaf, or a parent now a leaf
         self.num_evictions += len(freed)
         return freed
 
     def _is_candidate(self, node: RadixNode) -> bool:
-        return not node.is_root and not node.children and node.lock_count == 0
+        """An attached, unlocked leaf whose tail block only the tree holds (a sequence that
+        still holds it would lose nothing: evicting it frees no memory)."""
+        return (
+            not node.is_root
+            and node.parent is not None
+            and not node.children
+            and node.lock_count == 0
+            and bool(node.block_ids)
+            and self._is_held_by_tree_only(node.block_ids[-1])
+        )
 
     def _is_held_by_tree_only(self, block_id: int) -> bool:
         return self.pool.refcount(block_id) == 1
 
     def num_evictable_blocks(self) -> int:
-        """How many blocks evict() would free if asked for all of them right now."""
+        """How many blocks evict() would free if asked for all of them right now (kept up
+        to date: no walk)."""
+        return self._num_evictable
+
+    def _count_evictable_by_walk(self) -> int:
+        """num_evictable_blocks recounted from the tree (what evict(all) would free), for
+        check_integrity()."""
         num_below: dict[int, int] = {}
         is_all_evictable: dict[int, bool] = {}
         total = 0
@@ -368,9 +460,11 @@ class RadixCache:
                 self._release_block(block_id)
                 released.append(block_id)
             node.block_ids, node.token_ids = [], ()
+            self._recount(node)
         return released
 
     def _release_block(self, block_id: int) -> None:
+        """Drop the tree's reference; the caller takes the block off its edge and recounts."""
         del self._node_of_block[block_id]
         self.pool.set_tree_owned(block_id, False)
         self.pool.decref(block_id)
@@ -383,18 +477,11 @@ class RadixCache:
         del parent.children[key]
         self._add_lock_count(parent, -node.lock_count)
         node.parent = None
+        if node.is_blocked:
+            parent.num_blocked_children -= 1
+            self._refresh(parent)
+        self._offer(parent)  # it may be a leaf now
         return parent
-
-    def swap_blocks(self, block_a: int, block_b: int) -> None:
-        """Fault drills only: make the tree map each block's tokens to the other block.
-
-        Breaks strict matching on purpose (a prefix now points at KV of other tokens) so that
-        the auditor can be seen to catch it; references and ownership stay consistent.
-        """
-        node_a, node_b = self._node_of_block[block_a], self._node_of_block[block_b]
-        index_a, index_b = node_a.block_ids.index(block_a), node_b.block_ids.index(block_b)
-        node_a.block_ids[index_a], node_b.block_ids[index_b] = block_b, block_a
-        self._node_of_block[block_a], self._node_of_block[block_b] = node_b, node_a
 
     # -- inspection ---------------------------------------------------------------------
     def recent_path_block_ids(self) -> list[int]:
@@ -452,6 +539,29 @@ class RadixCache:
         for block_id in range(self.pool.num_blocks):
             if self.pool.is_tree_owned(block_id):
                 assert block_id in seen, f"block {block_id} tree-owned but not in the tree"
+        num_walked = self._count_evictable_by_walk()
+        assert self._num_evictable == num_walked, (
+            f"evictable count {self._num_evictable} != {num_walked} by walking the tree"
+        )
+        queued = {node.node_id for a, _, node in self._heap if self._is_current(a, node)}
+        for root in self._roots.values():
+            for node in self._preorder(root):
+                assert not self._is_candidate(node) or node.node_id in queued, (
+                    f"eviction candidate {node.node_id} is not queued"
+                )
+
+    def _check_figures(self, node: RadixNode) -> None:
+        """node's running figures equal a recount (the walk checks the total)."""
+        if node.is_root:
+            return
+        num_pinned = sum(not self._is_held_by_tree_only(b) for b in node.block_ids)
+        num_blocked = sum(child.is_blocked for child in node.children.values())
+        is_covered = node.num_own_locks > 0 or num_blocked > 0
+        expected = (num_pinned, num_blocked, is_covered or num_pinned > 0)
+        actual = (node.num_pinned_blocks, node.num_blocked_children, node.is_blocked)
+        assert actual == expected, f"node {node.node_id}: figures {actual} != {expected}"
+        num_evictable = 0 if is_covered else self._num_evictable_tail_blocks(node)
+        assert node.num_evictable_blocks == num_evictable, f"node {node.node_id} evictable"
 
     def _check_node(self, node: RadixNode, seen: set[int]) -> None:
         bs = self.block_size
@@ -470,3 +580,4 @@ class RadixCache:
             assert self._node_of_block.get(block_id) is node, f"block {block_id} misindexed"
             assert self.pool.refcount(block_id) >= 1, f"tree block {block_id} is free"
             assert self.pool.is_tree_owned(block_id), f"tree block {block_id} not tree-owned"
+        self._check_figures(node)

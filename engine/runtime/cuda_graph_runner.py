@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from engine.core.batch import SchedulerOutput
+from engine.core.intmath import cdiv
 from engine.runtime.attention.base import AttentionMetadata
 from engine.runtime.transfer import stage
 
@@ -115,7 +116,7 @@ def build_decode_rows(sched_out: SchedulerOutput, batch_size: int, block_size: i
     if len(sched_out.slot_mapping) != len(seqs) or any(s.num_tokens != 1 for s in seqs):
         raise ValueError("a decode-only step needs exactly one token and one slot per sequence")
     seq_lens = [seq.context_len for seq in seqs]
-    num_blocks = [-(-seq_len // block_size) for seq_len in seq_lens]
+    num_blocks = [cdiv(seq_len, block_size) for seq_len in seq_lens]
     width = max(num_blocks)
     tables: list[int] = []
     for seq, count in zip(seqs, num_blocks, strict=True):
@@ -227,7 +228,7 @@ class CudaGraphRunner:
         self.device = kv_caches[0][0].device
         self.num_kv_heads = kv_caches[0][0].shape[2]
         self.sizes = capture_sizes(max_num_seqs)
-        max_blocks_per_seq = -(-max_model_len // block_size)
+        max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.buffers = DecodeBuffers(self.sizes[-1], max_blocks_per_seq, self.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # [B, E] per graph

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from engine.core.config import EngineConfig
-from engine.core.sampling_params import ParamError
+from engine.core.errors import ParamError
 from engine.runtime.models import get_model_class
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ from engine.core.batch import (
     SchedulerOutput,
 )
 from engine.core.config import EngineConfig
+from engine.core.intmath import cdiv
 from engine.core.protocol import ModelInfo
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.attention.base import AttentionMetadata
@@ -128,7 +128,7 @@ class ModelRunner:
 
     For the cache auditor: capture_prompt_logits(seq_id) keeps the logits row a sequence gets
     at its last prompt token (its first sample) for take_prompt_logits(); run_audit() runs a
-    shadow forward into private blocks; corrupt_block() overwrites a block (fault drills).
+    shadow forward into private blocks.
     kv_caches are never reallocated after start-up: CUDA graphs hold their pointers.
     """
 
@@ -231,17 +231,6 @@ class ModelRunner:
                 return {}
             logits = self.model.compute_logits(hidden[[rows[i] for i in wanted]])  # [W, V]
             return {sched_out.seqs[i].seq_id: logits[j].float() for j, i in enumerate(wanted)}
-
-    def corrupt_block(self, block_id: int, generator: torch.Generator) -> None:
-        """Fault drill: overwrite block_id's K and V in every layer, in place, with noise of
-        the block's own magnitude (far beyond any audit tolerance)."""
-        with torch.inference_mode():
-            for k_cache, v_cache in self.kv_caches:
-                for cache in (k_cache, v_cache):
-                    block = cache[block_id]  # [block_size, Hkv, D], a view
-                    scale = max(1.0, float(block.abs().max()))
-                    noise = torch.randn(block.shape, generator=generator, dtype=torch.float32)
-                    block.copy_(noise.mul_(scale).to(block.device, block.dtype))
 
     # -- CUDA graphs (runtime/cuda_graph_runner.py): decode-only steps replay a captured graph --
     def _execute_graph(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -352,7 +341,7 @@ class ModelRunner:
         seqs, num_blocks = [], 0
         for i in range(num_seqs):
             length = num_tokens - (num_seqs - 1) if i == 0 else 1
-            block_ids = list(range(num_blocks, num_blocks + math.ceil(length / self.block_size)))
+            block_ids = list(range(num_blocks, num_blocks + cdiv(length, self.block_size)))
             spec = SampleSpec(params, [i], output_index=0, prompt_token_ids=[], output_token_ids=[])
             seqs.append(ScheduledSeq(i, [0] * length, 0, block_ids, sample=spec))
             num_blocks += len(block_ids)

@@ -21,32 +21,16 @@ import torch
 
 from engine.core.batch import SampledToken, SampleSpec
 from engine.core.sampling_params import SamplingParams
+from engine.core.seeds import GOLDEN_GAMMA, MASK64, MIX1, MIX2, draw_key
 from engine.runtime.transfer import to_device
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_MIX1 = 0xBF58476D1CE4E5B9
-_MIX2 = 0x94D049BB133111EB
 _FIRST_CANDIDATES = 256  # top_p: candidates tried first; grows 8x until the nucleus fits
 
 
 def _to_int64(x: int) -> int:
     """An unsigned 64-bit value as the int64 with the same bits."""
-    x &= _MASK64
+    x &= MASK64
     return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def mix64(x: int) -> int:
-    """splitmix64's finaliser on python ints (the reference the tensor version must match)."""
-    x &= _MASK64
-    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
-    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
-    return x ^ (x >> 31)
-
-
-def draw_key(seed: int, output_index: int) -> int:
-    """The 64-bit key of the draw for output token `output_index` of a row seeded `seed`."""
-    return mix64(mix64(seed) + (output_index + 1) * _GOLDEN)
 
 
 def _xor_shift_right_(z: torch.Tensor, bits: int, scratch: torch.Tensor) -> None:
@@ -62,16 +46,17 @@ def counter_uniforms(keys: Sequence[int], token_ids: torch.Tensor) -> torch.Tens
 
     A token's uniform depends only on its key and its id, so drawing among a subset of the
     vocabulary sees exactly the values the full vocabulary would. The splitmix64 finaliser
-    runs in place: fresh [N, V] buffers per op cost ~3x more in page faults on the CPU.
+    (engine/core/seeds.py's mix64 is the reference it must match bit for bit) runs in place:
+    fresh [N, V] buffers per op cost ~3x more in page faults on the CPU.
     """
     key = to_device([_to_int64(k) for k in keys], torch.int64, token_ids.device)
     # int64 add/multiply wrap modulo 2**64, exactly like the unsigned reference mix64().
-    z = torch.add(token_ids, 1).mul_(_to_int64(_GOLDEN)).add_(key[:, None])
+    z = torch.add(token_ids, 1).mul_(_to_int64(GOLDEN_GAMMA)).add_(key[:, None])
     scratch = torch.empty_like(z)
     _xor_shift_right_(z, 30, scratch)
-    z.mul_(_to_int64(_MIX1))
+    z.mul_(_to_int64(MIX1))
     _xor_shift_right_(z, 27, scratch)
-    z.mul_(_to_int64(_MIX2))
+    z.mul_(_to_int64(MIX2))
     _xor_shift_right_(z, 31, scratch)
     z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)  # the top 53 bits
     return z.double().add_(0.5).mul_(2.0**-53)

@@ -80,6 +80,7 @@ class FakeEngine:
         self.resume = asyncio.Event()
         self.step_delay_s = 0.0
         self.engine_stats = EngineStats()
+        self.stats_listeners: list = []
 
     # -- EngineClient -------------------------------------------------------------------------
 
@@ -103,9 +104,10 @@ class FakeEngine:
         return self.error_on_load
 
     def stats(self) -> EngineStats:
-        snapshot = self.engine_stats
-        self.engine_stats = replace(snapshot, recent_steps=[], recent_audit_max_abs_diffs=[])
-        return snapshot
+        return self.engine_stats
+
+    def add_stats_listener(self, listener) -> None:
+        self.stats_listeners.append(listener)
 
     async def abort(self, request_id: str, choice_index: int | None = None) -> None:
         self.aborts.append((request_id, choice_index))
@@ -198,5 +200,13 @@ class FakeEngine:
             error=error,
         )
 
-    def record_steps(self, *samples: StepSample) -> None:
-        self.engine_stats.recent_steps.extend(samples)
+    def publish(self, stats: EngineStats) -> None:
+        """What the engine thread does after a step: hand a snapshot to every listener."""
+        self.engine_stats = stats
+        for listener in self.stats_listeners:
+            listener(stats)
+
+    def publish_steps(self, *samples: StepSample) -> None:
+        """One snapshot per step, as AsyncEngine delivers them (figures kept)."""
+        for sample in samples:
+            self.publish(replace(self.engine_stats, step=sample, audit_max_abs_diffs=()))

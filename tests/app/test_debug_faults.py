@@ -11,6 +11,7 @@ from helpers import open_client
 from app.cli import build_parser
 from app.settings import ServerSettings, Settings, flag_overrides, load_settings
 from engine.core.config import EngineConfig
+from engine.core.errors import InvalidFaultTarget
 from engine.core.protocol import EngineStats, FaultReport
 
 pytestmark = pytest.mark.anyio
@@ -30,7 +31,7 @@ class FaultyEngine(FakeEngine):
     ) -> FaultReport:
         self.faults.append((kind, block_id, other_block_id))
         if block_id == 99:
-            raise ValueError("block 99 is not in the prefix cache")
+            raise InvalidFaultTarget("block 99 is not in the prefix cache")
         return FaultReport(kind, [block_id or 0], f"did {kind}")
 
 
@@ -90,8 +91,13 @@ def test_the_flag_alone_turns_fault_injection_on() -> None:
 
 
 async def test_write_violations_and_leaks_reach_the_metrics(client, engine) -> None:
-    engine.engine_stats = EngineStats(
-        num_write_violations=2, num_quarantined_blocks=5, num_leaked_blocks=1, num_audits_dropped=3
+    engine.publish(
+        EngineStats(
+            num_write_violations=2,
+            num_quarantined_blocks=5,
+            num_leaked_blocks=1,
+            num_audits_dropped=3,
+        )
     )
     text = (await client.get("/metrics")).text
     assert "kvshare_cache_write_violations_total 2.0" in text

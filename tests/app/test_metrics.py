@@ -62,24 +62,26 @@ async def test_every_required_metric_is_exposed_with_help(client) -> None:
     assert "process_cpu_seconds_total" in types
 
 
-async def test_engine_stats_are_read_at_scrape_time(client, engine: FakeEngine) -> None:
-    engine.engine_stats = EngineStats(
-        num_running=3,
-        num_waiting=2,
-        num_total_blocks=10,
-        num_free_blocks=4,
-        num_private_blocks=3,
-        num_shared_blocks=2,
-        num_cached_blocks=1,
-        bytes_per_block=1000,
-        prefix_cache_queries=50,
-        prefix_cache_hits=20,
-        num_audits=7,
-        num_audit_corruptions=1,
-        num_audit_drifts=2,
-        recent_audit_max_abs_diffs=[0.5],
+async def test_engine_stats_pushed_per_step_reach_the_scrape(client, engine: FakeEngine) -> None:
+    engine.publish(
+        EngineStats(
+            num_running=3,
+            num_waiting=2,
+            num_total_blocks=10,
+            num_free_blocks=4,
+            num_private_blocks=3,
+            num_shared_blocks=2,
+            num_cached_blocks=1,
+            bytes_per_block=1000,
+            prefix_cache_queries=50,
+            prefix_cache_hits=20,
+            num_audits=7,
+            num_audit_corruptions=1,
+            num_audit_drifts=2,
+            audit_max_abs_diffs=(0.5,),
+        )
     )
-    engine.record_steps(StepSample(0.02, 4, 40), StepSample(0.03, 8, 8))
+    engine.publish_steps(StepSample(0.02, 4, 40), StepSample(0.03, 8, 8))
     text = (await client.get("/metrics")).text
     assert sample(text, "kvshare_requests", 'state="running"') == 3
     assert sample(text, "kvshare_requests", 'state="waiting"') == 2
@@ -92,8 +94,9 @@ async def test_engine_stats_are_read_at_scrape_time(client, engine: FakeEngine) 
     assert sample(text, "kvshare_step_duration_seconds_count") == 2
     assert sample(text, "kvshare_batch_size_sum") == 12
     assert sample(text, "kvshare_cache_audit_max_abs_diff_count") == 1
-    again = (await client.get("/metrics")).text  # steps were drained: observed once only
+    again = (await client.get("/metrics")).text  # a scrape observes nothing by itself
     assert sample(again, "kvshare_step_duration_seconds_count") == 2
+    assert sample(again, "kvshare_cache_audit_max_abs_diff_count") == 1
 
 
 async def test_request_metrics_are_observed(client) -> None:

@@ -6,88 +6,24 @@ import random
 import shutil
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.core.config import EngineConfig
+from engine.core.errors import ParamError
 from engine.core.protocol import EngineRequest, FinishReason
-from engine.core.sampling_params import ParamError, SamplingParams
+from engine.core.sampling_params import SamplingParams
+from engine.core.validation import validate_request
 from engine.llm_engine import LLMEngine
+from tests.engine.engine_helpers import (
+    GREEDY,
+    MAX_LEN,
+    VOCAB,
+    assert_all_blocks_free,
+    make_engine,
+    random_prompts,
+    run_checked,
+)
 from tests.oracle import hf_greedy
 
-VOCAB = 256
-MAX_LEN = 256
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> str:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,  # a head dim the native CPU decode kernel takes: these scenarios run it
-        max_position_embeddings=MAX_LEN,
-        initializer_range=0.2,  # peaky logits: no near-ties for argmax to flip on
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def hf_model(tiny_model_dir):
-    return LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-def make_engine(model_dir: str, **overrides) -> LLMEngine:
-    settings = dict(model=model_dir, dtype="float32", num_kv_blocks=128, max_num_seqs=32)
-    settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings))
-
-
-def random_prompts(num: int, seed: int, min_len: int = 3, max_len: int = 60) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [
-        [rng.randrange(3, VOCAB) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)
-    ]
-
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def run_checked(engine: LLMEngine, requests: dict[int, list[EngineRequest]]) -> dict[str, list]:
-    """Step until done, adding requests[k] before step k; check integrity after every step."""
-    tokens: dict[str, list[list[int]]] = {}
-    step = 0
-    while step <= max(requests, default=0) or engine.has_unfinished_requests():
-        for request in requests.get(step, []):
-            engine.add_request(request)
-            tokens[request.request_id] = [[] for _ in range(request.sampling_params.n)]
-        for output in engine.step():
-            assert output.error is None, output.error
-            for choice in output.outputs:
-                tokens[output.request_id][choice.index].extend(choice.new_token_ids)
-        engine.scheduler.check_integrity()
-        step += 1
-    assert_all_blocks_free(engine)
-    return tokens
-
-
-def assert_all_blocks_free(engine: LLMEngine) -> None:
-    """No sequence holds a block: each one is free or held by the prefix tree alone, and
-    evicting the whole tree frees them all."""
-    kv = engine.kv_cache_manager
-    kv.check_integrity([])
-    kv.evict(kv.num_total_blocks)
-    assert kv.pool.num_free_blocks == kv.pool.num_blocks
+# tiny_model_dir and hf_model: tests/engine/conftest.py
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="the native kernel needs g++")
@@ -246,31 +182,63 @@ def test_abort_and_fault_free_everything(tiny_model_dir, hf_model):
 
 
 @pytest.mark.parametrize(
-    ("make_request", "param"),
+    ("make_request", "param", "message"),
     [
-        (lambda: EngineRequest("x", [], GREEDY), "prompt"),
-        (lambda: EngineRequest("x", [5] * MAX_LEN, GREEDY), "prompt"),
-        (lambda: EngineRequest("x", [5, VOCAB], GREEDY), "prompt"),
-        (lambda: EngineRequest("x", [5, -1], GREEDY), "prompt"),
-        (lambda: EngineRequest("x", [5], SamplingParams(max_tokens=0)), "max_tokens"),
-        (lambda: EngineRequest("x", [5], SamplingParams(temperature=-0.1)), "temperature"),
-        (lambda: EngineRequest("x", [5], SamplingParams(top_p=0.0)), "top_p"),
-        (lambda: EngineRequest("x", [5], SamplingParams(top_p=1.5)), "top_p"),
-        (lambda: EngineRequest("x", [5], SamplingParams(n=0)), "n"),
-        (lambda: EngineRequest("x", [5], SamplingParams(logit_bias={VOCAB: 1.0})), "logit_bias"),
+        (lambda: EngineRequest("x", [], GREEDY), "prompt", "prompt must not be empty"),
+        (
+            lambda: EngineRequest("x", [5] * MAX_LEN, GREEDY),
+            "prompt",
+            f"prompt has {MAX_LEN} tokens but the model's context window is {MAX_LEN} tokens",
+        ),
+        (
+            lambda: EngineRequest("x", [5, VOCAB], GREEDY),
+            "prompt",
+            f"token id {VOCAB} is outside the vocabulary [0, {VOCAB})",
+        ),
+        (lambda: EngineRequest("x", [5, -1], GREEDY), "prompt", "token id -1 is outside"),
+        (lambda: EngineRequest("x", [5], SamplingParams(max_tokens=0)), "max_tokens", None),
+        (lambda: EngineRequest("x", [5], SamplingParams(temperature=-0.1)), "temperature", None),
+        (lambda: EngineRequest("x", [5], SamplingParams(top_p=0.0)), "top_p", None),
+        (lambda: EngineRequest("x", [5], SamplingParams(top_p=1.5)), "top_p", None),
+        (lambda: EngineRequest("x", [5], SamplingParams(n=0)), "n", None),
+        (
+            lambda: EngineRequest("x", [5], SamplingParams(logit_bias={VOCAB: 1.0})),
+            "logit_bias",
+            None,
+        ),
         (
             lambda: EngineRequest("x", [5], SamplingParams(stop_token_ids=(VOCAB,))),
             "stop_token_ids",
+            None,
         ),
     ],
 )
-def test_bad_input_is_refused_and_leaks_nothing(tiny_model_dir, make_request, param):
+def test_bad_input_is_refused_and_leaks_nothing(tiny_model_dir, make_request, param, message):
+    """LLMEngine.add_request is the offline edge: it validates (engine/core/validation.py)."""
     engine = _shared_engine(tiny_model_dir)
     with pytest.raises(ParamError) as info:
         engine.add_request(make_request())
     assert info.value.param == param
-    assert param.split("_")[0] in str(info.value)
+    assert (message or param) in info.value.message  # a field error names its field
     assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+
+
+def test_a_request_validated_at_its_edge_is_not_validated_again(tiny_model_dir, monkeypatch):
+    """AsyncEngine's path: app/serving.py validated it, so add_request(is_validated=True) only
+    queues it; the offline call validates exactly once."""
+    engine = _shared_engine(tiny_model_dir)
+    calls = []
+    monkeypatch.setattr(
+        "engine.llm_engine.validate_request",
+        lambda *args: calls.append(args[0]) or validate_request(*args),
+    )
+    edge, offline = EngineRequest("edge", [5, 6], GREEDY), EngineRequest("offline", [7], GREEDY)
+    engine.add_request(edge, is_validated=True)
+    engine.add_request(offline)
+    assert calls == [offline]
+    while engine.has_unfinished_requests():
+        engine.step()
     assert_all_blocks_free(engine)
 
 

@@ -16,12 +16,10 @@ import pytest
 
 from engine.core.protocol import EngineRequest
 from engine.llm_engine import LLMEngine
-from tests.engine import test_llm_engine as base
-from tests.engine.test_llm_engine import GREEDY, VOCAB, assert_all_blocks_free, hf_greedy
+from tests.engine.engine_helpers import GREEDY, VOCAB, assert_all_blocks_free, make_engine
+from tests.oracle import hf_greedy
 
-# The tiny random Llama and its HF twin, shared with test_llm_engine (module-scoped fixtures).
-tiny_model_dir, hf_model = base.tiny_model_dir, base.hf_model
-make_engine = base.make_engine
+# tiny_model_dir and hf_model: the tiny random Llama and its HF twin (tests/engine/conftest.py).
 BLOCK_SIZE = 16  # the engine default
 ANSWER_LEN = GREEDY.max_tokens
 

@@ -8,33 +8,26 @@
   changes the matmul shapes;
 - the KV pool sized from free memory after the warm-up pass.
 
-Skipped without CUDA. scripts/gpu_check.sh runs it (pytest -m gpu).
+Skipped without CUDA (the gpu marker) or compiled Triton (tests/conftest.py).
+scripts/gpu_check.sh runs it (pytest -m gpu).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-pytestmark = pytest.mark.gpu
+from engine.core.config import EngineConfig
+from engine.core.protocol import EngineRequest, TokenLogprob
+from engine.core.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.runtime.model_runner import ModelRunner
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1: kernels would not be compiled", allow_module_level=True)
-pytest.importorskip("triton")
-
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from engine.core.config import EngineConfig  # noqa: E402
-from engine.core.protocol import EngineRequest, TokenLogprob  # noqa: E402
-from engine.core.sampling_params import SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.runtime.model_runner import ModelRunner  # noqa: E402
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled_triton")]
 
 MAX_NUM_SEQS = 16  # captured sizes 1, 2, 4, 8, 16
 HF_TOKENS = 16

@@ -27,7 +27,7 @@ import pytest
 
 from engine.core.config import EngineConfig
 from engine.runtime.loader import resolve_model_dir
-from tests.integration.conftest import running_server, scrape
+from tests.integration.server import running_server, scrape
 
 pytestmark = pytest.mark.integration
 

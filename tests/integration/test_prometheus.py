@@ -30,7 +30,7 @@ from tests.deploy.promql import (
     all_expressions,
     metric_names,
 )
-from tests.integration.conftest import free_port, running_server, scrape
+from tests.integration.server import free_port, running_server, scrape
 
 PROMETHEUS = shutil.which("prometheus")
 

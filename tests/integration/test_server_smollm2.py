@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import scrape
+from tests.integration.server import scrape
 
 pytestmark = pytest.mark.integration
 

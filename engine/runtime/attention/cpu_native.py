@@ -2,11 +2,11 @@
 
 Decode attention on the torch path gathers every sequence's blocks into a dense copy, then
 runs SDPA under a padding mask: on this CPU that is most of a decode step's non-matmul
-time. `cpu_kernels.cpp` reads K/V in place through the block tables instead. It is compiled
-on first use with the system C++ compiler (-march=native, OpenMP) into the kvshare cache
-dir, keyed by a hash of the source, the flags and the compiler, then loaded with ctypes.
-Prefill chunks, KV stores and block copies stay on the torch path. The same library carries
-the fused RMSNorm / SiLU-and-mul / rope that engine/runtime/cpu/fused.py wraps for the model.
+time. The paged decode kernel of engine/runtime/cpu/kernels.cpp reads K/V in place through the
+block tables instead. engine/runtime/cpu/native.py compiles that library on first use, for the
+ISA level the CPU probe (engine/runtime/cpu/capabilities.py) picks, and loads it; the same
+library carries the fused RMSNorm / SiLU-and-mul / rope that engine/runtime/cpu/fused.py wraps
+for the model. Prefill chunks, KV stores and block copies stay on the torch path.
 
 No compiler, a failed build, or a shape/dtype the kernel does not cover (float16, head dims
 other than 64/128, more than 8 query heads per KV head) all fall back to the torch path, so
@@ -16,34 +16,14 @@ results never depend on it.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import torch
 
 from engine.runtime.attention.base import AttentionMetadata
 from engine.runtime.attention.torch_ref import TorchRefBackend
-
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
-if platform.machine() in ("x86_64", "AMD64"):
-    # GCC's default tuning splits 512-bit vectors on some x86 CPUs (Zen 4); ask for whole ones.
-    FLAGS += ("-mprefer-vector-width=512",)
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype argument
-
-
-class NativeBuildError(RuntimeError):
-    """The kernel library could not be compiled or loaded; the message says why."""
+from engine.runtime.cpu.native import DTYPE_CODES, load_library
 
 
 @dataclass(frozen=True)
@@ -63,7 +43,7 @@ class CpuNativeBackend(TorchRefBackend):
     name = "cpu"
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self.library = library  # its fused elementwise ops serve the model (cpu_fused.py)
+        self.library = library  # its fused elementwise ops serve the model (cpu/fused.py)
         self._decode_fn = library.kvshare_paged_decode
         self._supports_shape = library.kvshare_supports_shape
         self._step: _StepTables | None = None
@@ -134,81 +114,7 @@ class CpuNativeBackend(TorchRefBackend):
         )
 
 
-def create_backend(build_dir: Path) -> CpuNativeBackend:
-    """Build (or reuse) the kernel library under build_dir; raises NativeBuildError."""
-    return CpuNativeBackend(load_library(build_dir))
-
-
-@cache
-def load_library(build_dir: Path) -> ctypes.CDLL:
-    """The compiled kernel library, built once per (source, flags, compiler) and cached."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise NativeBuildError("no C++ compiler found (install g++ or set CXX)")
-    try:
-        target = build_dir / f"cpu_kernels-{_build_key(compiler)}.so"
-        if not target.is_file():
-            _compile(compiler, target)
-        library = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:  # unwritable dir, bad CXX, bad .so
-        raise NativeBuildError(f"cannot build or load the kernel with {compiler!r}: {exc}") from exc
-    _declare(library)
-    return library
-
-
-def _build_key(compiler: str) -> str:
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=False
-    ).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join(FLAGS).encode())
-    digest.update(version.encode())
-    digest.update(_cpu_flags().encode())  # -march=native code is only valid on the same CPU
-    return digest.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _compile(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build aside and rename: concurrent starts never load a half-written library.
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        command = [compiler, *FLAGS, "-shared", "-fPIC", str(SOURCE), "-o", str(built)]
-        logger.info("building the native CPU attention kernel: %s", " ".join(command))
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            raise NativeBuildError(f"compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
-        built.replace(target)
-    _remove_other_builds(target)
-
-
-def _remove_other_builds(target: Path) -> None:
-    """Drop libraries of other sources or compilers: one build per source revision would
-    pile up. A process still running an old one keeps its mapping (Linux unlinks lazily)."""
-    for stale in target.parent.glob("cpu_kernels-*.so"):
-        if stale != target:
-            stale.unlink(missing_ok=True)
-
-
-def _declare(library: ctypes.CDLL) -> None:
-    int_, ptr = ctypes.c_int, ctypes.c_void_p
-    library.kvshare_paged_decode.restype = int_
-    library.kvshare_paged_decode.argtypes = [int_, *[ptr] * 6, *[int_] * 6, ctypes.c_float, int_]
-    library.kvshare_supports_shape.restype = int_
-    library.kvshare_supports_shape.argtypes = [int_, int_]
-    long_, float_ = ctypes.c_int64, ctypes.c_float
-    library.kvshare_rms_norm.restype = int_
-    library.kvshare_rms_norm.argtypes = [int_, ptr, ptr, ptr, long_, int_, float_, int_]
-    library.kvshare_silu_mul.restype = int_
-    library.kvshare_silu_mul.argtypes = [int_, ptr, ptr, long_, int_, int_]
-    library.kvshare_rope.restype = int_
-    library.kvshare_rope.argtypes = [int_, ptr, long_, ptr, ptr, ptr, long_, int_, int_, int_]
+def create_backend(build_dir: Path, isa: str | None = None) -> CpuNativeBackend:
+    """Build (or reuse) the kernel library for `isa` (default: the probe's level) under
+    build_dir; raises engine.runtime.cpu.native.NativeBuildError."""
+    return CpuNativeBackend(load_library(build_dir, isa))

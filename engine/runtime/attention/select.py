@@ -2,8 +2,8 @@
 
 Backends are imported lazily: the torch reference never pulls in Triton, and Triton is only
 imported when it is chosen (or probed for "auto" on CUDA). "cpu" is the torch reference with
-its decode attention in a native kernel, compiled on first use
-(engine/runtime/attention/cpu_native.py).
+its decode attention in a native kernel (engine/runtime/attention/cpu_native.py), compiled on
+first use by engine/runtime/cpu/native.py.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from pathlib import Path
 
 import torch
 
+from engine.core.config import ATTENTION_BACKENDS
 from engine.runtime.attention.base import AttentionBackend
 
 logger = logging.getLogger(__name__)
-
-BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
 
 
 def get_attention_backend(
@@ -32,8 +31,8 @@ def get_attention_backend(
     the CPU or when its kernel cannot be built, or for "triton" where it cannot run: Triton is not
     installed, or the device is not CUDA and TRITON_INTERPRET=1 is not set.
     """
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"attention backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if build_dir is None:
         from engine.core.config import EngineConfig
         from engine.runtime.loader import kvshare_cache_dir
@@ -79,12 +78,13 @@ def _check_triton_can_run(device: torch.device) -> None:
 
 def _cpu_backend(device: torch.device, build_dir: Path) -> AttentionBackend:
     from engine.runtime.attention import cpu_native
+    from engine.runtime.cpu.native import NativeBuildError
 
     if device.type != "cpu":
         raise ValueError(f"attention backend 'cpu' runs on the CPU, not {device.type!r}")
     try:
         return cpu_native.create_backend(build_dir)
-    except cpu_native.NativeBuildError as exc:
+    except NativeBuildError as exc:
         raise ValueError(f"attention backend 'cpu' is unavailable: {exc}") from exc
 
 

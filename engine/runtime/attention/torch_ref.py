@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.core.intmath import cdiv
 from engine.runtime.attention.base import AttentionMetadata
 
 
@@ -82,7 +83,7 @@ class TorchRefBackend:
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
         max_len = max(meta.seq_lens_host[:num_seqs])
-        num_blocks = -(-max_len // block_size)
+        num_blocks = cdiv(max_len, block_size)
         tables = meta.block_tables[:num_seqs, :num_blocks].long()  # [B, nb]
         keys = _gather(k_cache, tables, max_len)  # [B, Hkv, L, D]
         values = _gather(v_cache, tables, max_len)
@@ -107,7 +108,7 @@ class TorchRefBackend:
     ) -> torch.Tensor:
         num_queries = query.shape[0]
         block_size = k_cache.shape[1]
-        num_blocks = -(-seq_len // block_size)
+        num_blocks = cdiv(seq_len, block_size)
         table = block_table[None, :num_blocks].long()  # [1, nb]
         keys = _gather(k_cache, table, seq_len)  # [1, Hkv, S, D]
         values = _gather(v_cache, table, seq_len)

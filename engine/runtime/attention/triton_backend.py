@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.core.intmath import cdiv
 from engine.runtime.attention import triton_cache_ops, triton_kernels
 from engine.runtime.attention.base import AttentionMetadata
 
@@ -79,7 +80,7 @@ class TritonBackend:
     ) -> int:
         """Split long contexts until about two programs per SM; a power of two (few compiles)."""
         num_programs = num_decodes * num_kv_heads
-        wanted = -(-2 * self._sm_count(device) // num_programs)
+        wanted = cdiv(2 * self._sm_count(device), num_programs)
         by_length = max_seq_len // _MIN_TOKENS_PER_SPLIT
         num_splits = max(1, min(wanted, by_length, _MAX_SPLITS))
         return 1 << (num_splits.bit_length() - 1)

@@ -2,8 +2,8 @@
 
 In torch each is a chain of small ops (an RMSNorm is eight, a rope seven), which at 32
 decoding sequences cost more in dispatch and passes over memory than in arithmetic. The
-native library of engine/runtime/attention/cpu_kernels.cpp does each in one pass, rounding to the
-storage dtype wherever the torch code rounds. Every method returns None for a call it does
+native library of engine/runtime/cpu/kernels.cpp does each in one pass, rounding to the storage
+dtype wherever the torch code rounds. Every method returns None for a call it does
 not cover (dtype, device, layout, sizes not multiples of 16); the caller then runs its torch
 code, so results never depend on the library being there.
 """
@@ -14,13 +14,13 @@ import ctypes
 
 import torch
 
-from engine.runtime.attention.cpu_native import DTYPE_CODES
+from engine.runtime.cpu.native import DTYPE_CODES
 
 _LANES = 16  # the kernels' vector width in floats: row lengths must be multiples of it
 
 
 class CpuFusedOps:
-    """Fused ops over the native library (loaded by engine/runtime/attention/cpu_native.py)."""
+    """Fused ops over the native library (loaded by engine/runtime/cpu/native.py)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._library = library

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.runtime.cpu import capabilities
+
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -35,13 +37,17 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch build can run PackedLinear for `device` and `dtype`."""
+    """Whether this torch build and CPU can run PackedLinear for `device` and `dtype`.
+
+    bf16 asks the CPU probe (engine/runtime/cpu/capabilities.py): oneDNN's bf16 linear needs
+    AVX-512 (or AVX-NE-CONVERT) and refuses to run elsewhere; KVSHARE_CPU_BF16_LINEAR=0 turns
+    it off. Where this is False the model keeps plain nn.Linear (F.linear).
+    """
     if device.type != "cpu" or dtype not in _PACKABLE_DTYPES:
         return False
     if not torch.backends.mkldnn.is_available():
         return False
-    # oneDNN's bf16 linear needs AVX-512 (or AVX-NE-CONVERT); elsewhere it refuses to run.
-    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype != torch.bfloat16 or capabilities.cpu_capabilities().bf16_linear
 
 
 def pack_linears(module: nn.Module) -> int:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from engine.core.errors import KVShareError
 from engine.runtime.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
@@ -16,7 +17,7 @@ _REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-class UnsupportedArchitectureError(ValueError):
+class UnsupportedArchitectureError(KVShareError):
     """The checkpoint's architecture has no implementation here; the message lists ours."""
 
 

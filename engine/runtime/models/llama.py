@@ -313,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_cpu(self) -> None:
         """Run every projection and the LM head on oneDNN with packed weights (see
-        cpu_linear.py); call after load_weights, when can_pack() says so."""
+        runtime/cpu/linear.py); call after load_weights, when can_pack() says so."""
         pack_linears(self.model)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # A tied head becomes a packed copy of the embedding (the lookup keeps the plain table).

@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
-from engine.core.batch import (
-    BlockCopy,
-    ModelRunnerOutput,
-    SampledToken,
-    ScheduledSeq,
-    SchedulerOutput,
-)
+from engine.core.batch import BlockCopy, ModelRunnerOutput, SchedulerOutput
+from engine.core.errors import ChoiceNotForked
 from engine.core.protocol import (
     CompletionOutput,
     EngineRequest,
@@ -20,156 +13,19 @@ from engine.core.protocol import (
     RequestOutput,
     TokenLogprob,
 )
-from engine.core.sampling_params import SamplingParams, derive_seed
+from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.kv.block_pool import BlockPool
-from engine.kv.kv_cache_manager import KVCacheManager
-
-VOCAB = 64
-BLOCK_SIZE = 4
-
-
-def next_token(last_token: int, seed: int) -> int:
-    """The fake model: a pure function of the context's last token and the seed."""
-    return (last_token + 1 + seed) % VOCAB
-
-
-def expected_outputs(prompt: list[int], seed: int, num_tokens: int) -> list[int]:
-    tokens = [prompt[-1]]
-    for _ in range(num_tokens):
-        tokens.append(next_token(tokens[-1], seed))
-    return tokens[1:]
-
-
-class FakeRunner:
-    """Simulated KV memory holding one token id per slot.
-
-    Each step it applies the block copies, writes every scheduled token into its slot, then
-    reads each scheduled sequence's whole context back through its block table and checks it
-    against the sequence's tokens: a sharing, copy-on-write or slot bug shows up there.
-    """
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        pool = scheduler.kv_cache_manager.pool
-        self.scheduler = scheduler
-        self.kv: list[int | None] = [None] * (pool.num_blocks * pool.block_size)
-        self.steps: list[SchedulerOutput] = []
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self.steps.append(out)
-        blocks = [self._block(copy.src) for copy in out.block_copies]  # gather, then scatter
-        for copy, content in zip(out.block_copies, blocks, strict=True):
-            self.kv[copy.dst * BLOCK_SIZE : (copy.dst + 1) * BLOCK_SIZE] = content
-        tokens = [token for scheduled in out.seqs for token in scheduled.token_ids]
-        assert len(tokens) == len(out.slot_mapping)
-        for slot, token in zip(out.slot_mapping, tokens, strict=True):
-            self.kv[slot] = token
-        return ModelRunnerOutput({s.seq_id: self._sample(s) for s in out.seqs if s.sample})
-
-    def _block(self, block_id: int) -> list[int | None]:
-        return self.kv[block_id * BLOCK_SIZE : (block_id + 1) * BLOCK_SIZE]
-
-    def _sample(self, scheduled: ScheduledSeq) -> list[SampledToken]:
-        context = [
-            self.kv[scheduled.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE]
-            for p in range(scheduled.context_len)
-        ]
-        seq = self.scheduler.get_seq(scheduled.seq_id)
-        assert context == seq.token_slice(0, scheduled.context_len), f"seq {seq.seq_id}"
-        spec = scheduled.sample
-        sampled = [SampledToken(next_token(context[-1], seed)) for seed in spec.seeds]
-        if spec.sampling_params.logprobs is not None:
-            for token in sampled:
-                token.logprob, token.top_logprobs = -0.5, [(token.token_id, -0.5)]
-        return sampled
-
-
-def make_scheduler(
-    num_blocks: int = 64,
-    max_num_seqs: int = 8,
-    max_num_batched_tokens: int = 64,
-    max_model_len: int = 128,
-    eos_token_ids: tuple[int, ...] = (),
-    enable_prefix_cache: bool = False,
-    scheduling_policy: str = "fcfs",
-) -> tuple[Scheduler, FakeRunner]:
-    pool = BlockPool(num_blocks=num_blocks, block_size=BLOCK_SIZE)
-    manager = KVCacheManager(pool, enable_prefix_cache=enable_prefix_cache)
-    scheduler = Scheduler(
-        manager,
-        max_num_seqs,
-        max_num_batched_tokens,
-        max_model_len,
-        eos_token_ids,
-        weights_version="w0",
-        scheduling_policy=scheduling_policy,
-    )
-    return scheduler, FakeRunner(scheduler)
-
-
-def params(**overrides) -> SamplingParams:
-    settings = dict(seed=0, max_tokens=4, ignore_eos=True)
-    settings.update(overrides)
-    return SamplingParams(**settings)
-
-
-def step(scheduler: Scheduler, runner: FakeRunner) -> list[RequestOutput]:
-    out = scheduler.schedule()
-    outputs = scheduler.update_from_output(out, runner.execute(out))
-    scheduler.check_integrity()
-    return outputs
-
-
-@dataclass
-class Collected:
-    tokens: dict[int, list[int]] = field(default_factory=dict)
-    reasons: dict[int, FinishReason] = field(default_factory=dict)
-    stop_token_ids: dict[int, int | None] = field(default_factory=dict)
-    error: str | None = None
-    finished: bool = False
-    num_cached_tokens: int = 0
-
-
-def collect(results: dict[str, Collected], outputs: list[RequestOutput]) -> None:
-    for output in outputs:
-        result = results.setdefault(output.request_id, Collected())
-        assert not result.finished, f"{output.request_id} got output after finishing"
-        result.finished, result.error = output.finished, output.error
-        result.num_cached_tokens = output.num_cached_tokens
-        for choice in output.outputs:
-            assert choice.index not in result.reasons, "a finished choice got more output"
-            result.tokens.setdefault(choice.index, []).extend(choice.new_token_ids)
-            if choice.finish_reason is not None:
-                result.reasons[choice.index] = choice.finish_reason
-                result.stop_token_ids[choice.index] = choice.stop_token_id
-
-
-def run(
-    scheduler: Scheduler,
-    runner: FakeRunner,
-    arrivals: dict[int, list[EngineRequest]],
-    results: dict[str, Collected] | None = None,
-    max_steps: int = 500,
-) -> dict[str, Collected]:
-    """Add arrivals[k] before step k; step until every request finished; no sequence holds
-    a block (each is free or cached by the prefix tree alone).
-
-    `results` carries what earlier, hand-driven steps collected.
-    """
-    results = {} if results is None else results
-    for index in range(max_steps):
-        for request in arrivals.get(index, []):
-            scheduler.add_request(request)
-        if index > max(arrivals, default=0) and not scheduler.has_unfinished_requests():
-            break
-        collect(results, step(scheduler, runner))
-    assert not scheduler.has_unfinished_requests()
-    assert all(result.finished for result in results.values())
-    pool = scheduler.kv_cache_manager.pool
-    held = [b for b in range(pool.num_blocks) if pool.refcount(b)]
-    assert all(pool.is_tree_owned(b) and pool.refcount(b) == 1 for b in held)
-    assert scheduler.num_leaked_blocks() == 0
-    return results
+from engine.core.seeds import derive_seed
+from tests.engine.fakes import (
+    Collected,
+    collect,
+    expected_outputs,
+    make_scheduler,
+    next_token,
+    params,
+    run,
+    step,
+)
 
 
 # -- batching ----------------------------------------------------------------------------------
@@ -377,7 +233,7 @@ def test_n4_forks_shares_full_blocks_and_copies_the_partial_one() -> None:
     collect(results, [first])
     assert runner.steps[0].seqs[0].sample.seeds == seeds
     assert [(c.index, c.new_token_ids) for c in first.outputs] == [
-        (i, [next_token(9, seed)]) for i, seed in enumerate(seeds)
+        (i, [next_token(prompt, seed, 0)]) for i, seed in enumerate(seeds)
     ]
     pool = scheduler.kv_cache_manager.pool
     assert [pool.refcount(b) for b in (0, 1, 2)] == [4, 4, 4]
@@ -411,7 +267,7 @@ def test_forked_choices_decode_next_to_their_parent() -> None:
 def test_abort_one_choice_with_a_reason_keeps_the_others() -> None:
     scheduler, runner = make_scheduler()
     scheduler.add_request(EngineRequest("r", [1, 2, 3], params(n=3, max_tokens=3)))
-    with pytest.raises(ValueError, match="choice 1 of request r has not forked yet"):
+    with pytest.raises(ChoiceNotForked, match="choice 1 of request r has not forked yet"):
         scheduler.abort_request("r", choice_index=1, reason=FinishReason.STOP)
     step(scheduler, runner)
     output = scheduler.abort_request("r", choice_index=1, reason=FinishReason.STOP)
@@ -421,7 +277,6 @@ def test_abort_one_choice_with_a_reason_keeps_the_others() -> None:
     results = run(scheduler, runner, {})
     assert {i: len(t) for i, t in results["r"].tokens.items()} == {0: 2, 2: 2}  # after abort
     assert results["r"].reasons == {0: FinishReason.LENGTH, 2: FinishReason.LENGTH}
-    assert scheduler.counters.finished_by_reason == {"length": 1}
 
 
 # -- abort and faults --------------------------------------------------------------------------
@@ -446,7 +301,6 @@ def test_abort_frees_everything(num_steps: int) -> None:
     assert scheduler.abort_request("r") is None
     assert scheduler.abort_request("unknown") is None
     assert not scheduler.has_unfinished_requests()
-    assert scheduler.counters.finished_by_reason == {"abort": 1}
     assert_all_free(scheduler)
 
 
@@ -477,7 +331,7 @@ def test_fail_seqs_fails_only_their_requests() -> None:
     scheduler.check_integrity()
     results = run(scheduler, runner, {})
     assert results["other"].tokens == {0: [11, 12, 13, 14]}  # 10 came in the first step
-    assert scheduler.counters.finished_by_reason == {"error": 1, "length": 1}
+    assert results["other"].reasons == {0: FinishReason.LENGTH}
 
 
 # -- stop checks -------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Property test: random add / step / abort / fail sequences over small pools.
 
 After every operation the scheduler's integrity holds and the pool's refcounts sum to the
-references held by live sequences; every choice's tokens equal what its seed alone gives
-(preemption, forks and copy-on-write never change an output); when all requests have ended,
-every block is free.
+references held by live sequences; every choice's tokens equal what its prompt and seed alone
+give at each output index (tests/engine/fakes.py: preemption, forks and copy-on-write never
+change an output, nor move a token to another index or another choice); when all requests have
+ended, every block is free.
 """
 
 from __future__ import annotations
@@ -11,20 +12,21 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.core.protocol import EngineRequest, FinishReason
-from engine.core.sampling_params import SamplingParams, derive_seed
+from engine.core.errors import ChoiceNotForked
+from engine.core.protocol import EngineRequest
+from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from tests.engine.core.test_scheduler import (
+from tests.engine.fakes import (
+    EOS_TOKEN_IDS,
     VOCAB,
     FakeRunner,
+    check_outputs,
     collect,
-    expected_outputs,
     make_scheduler,
     step,
 )
 
 MAX_MODEL_LEN = 32
-EOS_TOKEN_IDS = tuple(range(6))  # about one sampled token in ten ends a choice
 
 add_op = st.tuples(
     st.just("add"),
@@ -72,30 +74,13 @@ def apply(scheduler: Scheduler, runner: FakeRunner, op: tuple, state: dict) -> N
         request_id = f"r{op[1] % len(state['requests'])}"
         try:
             output = scheduler.abort_request(request_id, op[2])
-        except ValueError:  # one choice of a request that has not forked yet
+        except ChoiceNotForked:  # one choice of a request that has not forked yet
             return
         if output is not None:
             collect(state["results"], [output])
     elif kind == "fail" and scheduler.live_sequences():
         live = scheduler.live_sequences()
         collect(state["results"], scheduler.fail_seqs([live[op[1] % len(live)].seq_id], "x"))
-
-
-def check_outputs(state: dict) -> None:
-    """Tokens are what the seed alone gives; STOP and LENGTH agree with the stop rules."""
-    for request_id, result in state["results"].items():
-        prompt, params = state["requests"][request_id]
-        for index, tokens in result.tokens.items():
-            choice_seed = derive_seed(params.seed, index)
-            assert tokens == expected_outputs(prompt, choice_seed, len(tokens)), request_id
-            assert len(tokens) <= params.max_tokens
-            stoppable = [] if params.ignore_eos else tokens[params.min_tokens :]
-            reason = result.reasons.get(index)
-            if reason is FinishReason.STOP:
-                assert tokens[-1] in EOS_TOKEN_IDS and stoppable[-1] == tokens[-1]
-                assert result.stop_token_ids[index] == tokens[-1]
-            if reason is FinishReason.LENGTH:
-                assert not set(stoppable) & set(EOS_TOKEN_IDS), request_id
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,7 +1,7 @@
 """Prefix cache through KVCacheManager and the scheduler (no torch): exact block ids.
 
 Manager tests drive admit / slot_mapping / insert_prefix / free by hand, the way the
-scheduler does; scheduler tests use the fake runner of test_scheduler, which reads every
+scheduler does; scheduler tests use the fake runner of tests/engine/fakes.py, which reads every
 sampled sequence's context back through its block table (a wrong shared block, a missing
 copy or a write into a cached block shows up as a wrong token read back).
 """
@@ -13,11 +13,10 @@ import pytest
 from engine.core.batch import BlockCopy
 from engine.core.protocol import EngineRequest
 from engine.core.sampling_params import SamplingParams
-from engine.core.sequence import Sequence
+from engine.core.sequence import Sequence, make_namespace
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.kv.radix_cache import make_namespace
-from tests.engine.core.test_scheduler import (
+from tests.engine.fakes import (
     BLOCK_SIZE,
     Collected,
     collect,

@@ -10,9 +10,10 @@ KV memory holds one token id per slot. After every operation:
   the tree: matching each tuple finds blocks whose simulated KV holds exactly those tokens,
   and those blocks are all the tree holds (the tree caches nothing no request computed);
 - no slot mapping or copy destination targets a block that is shared or tree-owned.
-At the end every choice's tokens are what its seed alone gives, each request reused at most
-what an earlier request of its namespace had in common with it, every block is free or held
-by the tree alone, and a full eviction frees them all.
+At the end every choice's tokens are what its prompt and seed alone give at each output index
+(tests/engine/fakes.py), each request reused at most what an earlier request of its namespace
+had in common with it, every block is free or held by the tree alone, and a full eviction
+frees them all.
 """
 
 from __future__ import annotations
@@ -24,9 +25,16 @@ from engine.core.batch import ModelRunnerOutput, SchedulerOutput
 from engine.core.protocol import EngineRequest
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from engine.kv.radix_cache import make_namespace
-from tests.engine.core.test_scheduler import BLOCK_SIZE, FakeRunner, collect, make_scheduler, step
-from tests.engine.core.test_scheduler_properties import EOS_TOKEN_IDS, check_outputs
+from engine.core.sequence import make_namespace
+from tests.engine.fakes import (
+    BLOCK_SIZE,
+    EOS_TOKEN_IDS,
+    FakeRunner,
+    check_outputs,
+    collect,
+    make_scheduler,
+    step,
+)
 
 MAX_MODEL_LEN = 32
 SALTS = (None, "tenant-b")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from engine.core.sequence import make_namespace
 from engine.kv.block_pool import BlockPool
-from engine.kv.radix_cache import MatchResult, RadixCache, make_namespace
+from engine.kv.radix_cache import MatchResult, RadixCache
 
 BS = 4  # block_size: small so that block boundaries are easy to see
 NS = make_namespace("w1")

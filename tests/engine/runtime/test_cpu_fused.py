@@ -1,16 +1,17 @@
-"""The fused CPU elementwise ops against the torch code they replace in runtime/models/llama.py."""
+"""The fused CPU elementwise ops against the torch code they replace in runtime/models/llama.py,
+once per kernel build level this CPU executes (available_isa_levels())."""
 
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.runtime.attention import cpu_native
+from engine.runtime.cpu.capabilities import available_isa_levels
 from engine.runtime.cpu.fused import CpuFusedOps
+from engine.runtime.cpu.native import load_library
 from engine.runtime.models.llama import RMSNorm, apply_rope
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
@@ -18,9 +19,11 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
-@pytest.fixture(scope="module")
-def ops(tmp_path_factory: pytest.TempPathFactory) -> CpuFusedOps:
-    return CpuFusedOps(cpu_native.load_library(Path(tmp_path_factory.mktemp("kernels"))))
+@pytest.fixture(scope="module", params=available_isa_levels())
+def ops(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> CpuFusedOps:
+    # The session's build dir, shared with attention/test_cpu_native.py: one build per level.
+    build_dir = tmp_path_factory.getbasetemp() / "native-kernels"
+    return CpuFusedOps(load_library(build_dir, request.param))
 
 
 def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

@@ -365,7 +365,7 @@ def test_triton_interpreter_checks_in_fresh_process() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreted",
          __file__],
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=Path(__file__).resolve().parents[3],
         env={**os.environ, "TRITON_INTERPRET": "1", _CHILD: "1"},
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.core.batch import ScheduledSeq
 from engine.core.config import EngineConfig
-from engine.core.sampling_params import ParamError
+from engine.core.errors import ParamError
 from engine.runtime.attention.torch_ref import TorchRefBackend
 from engine.runtime.loader import (
     DEFAULT_MODEL_NAME,
@@ -186,7 +186,7 @@ def fake_gguf_loaders(monkeypatch, model):
 
 
 def test_gguf_file_is_converted_once_into_the_cache(tmp_path, monkeypatch):
-    from tests.conftest import build_tiny_hf_model
+    from tests.tiny_models import build_tiny_hf_model
 
     gguf = tmp_path / "tiny-q4.gguf"
     gguf.write_bytes(b"GGUF")

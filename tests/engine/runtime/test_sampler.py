@@ -9,7 +9,8 @@ import torch
 
 from engine.core.batch import SampleSpec
 from engine.core.sampling_params import SamplingParams
-from engine.runtime.sampler import Sampler, counter_uniforms, draw_key, mix64
+from engine.core.seeds import GOLDEN_GAMMA, MAX_SEED, draw_key, mix64
+from engine.runtime.sampler import Sampler, counter_uniforms
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -46,12 +47,15 @@ def test_greedy_is_argmax():
 
 
 def test_tensor_hash_matches_python_reference():
-    keys = [draw_key(0, 0), draw_key(2**63 - 1, 7), draw_key(12345, 10**6)]
-    uniforms = counter_uniforms(keys, torch.arange(5).expand(3, 5))
+    """The tensor splitmix64 in the sampler against engine/core/seeds.py's mix64, bit for bit:
+    keys with the top bit set (negative as int64) and token ids near 2**31 included."""
+    keys = [draw_key(0, 0), draw_key(MAX_SEED, 7), draw_key(12345, 10**6), 2**64 - 1, 2**63]
+    token_ids = torch.tensor([0, 1, 2, 3, 2**31 - 1]).expand(len(keys), 5)
+    uniforms = counter_uniforms(keys, token_ids)
     for i, key in enumerate(keys):
-        for v in range(5):
-            z = mix64(key + (v + 1) * 0x9E3779B97F4A7C15)
-            assert uniforms[i, v].item() == ((z >> 11) + 0.5) * 2.0**-53
+        for j, v in enumerate(token_ids[i].tolist()):
+            z = mix64(key + (v + 1) * GOLDEN_GAMMA)
+            assert uniforms[i, j].item() == ((z >> 11) + 0.5) * 2.0**-53
     assert uniforms.min().item() > 0.0 and uniforms.max().item() < 1.0
 
 

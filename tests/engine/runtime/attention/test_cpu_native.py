@@ -1,4 +1,9 @@
-"""The native CPU decode kernel vs the naive paged reference, and how it is built and chosen."""
+"""The native CPU decode kernel vs the naive paged reference, and how it is built and chosen.
+
+The reference comparisons run once per kernel build level this CPU executes (the probe's
+available_isa_levels(): native, avx2 and baseline on an AVX-512 CPU), so the lower levels an
+AVX2-only CPU gets are checked here too.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import torch
 from engine.runtime.attention import cpu_native
 from engine.runtime.attention.select import get_attention_backend
 from engine.runtime.attention.torch_ref import TorchRefBackend
+from engine.runtime.cpu import capabilities, native
+from engine.runtime.cpu.capabilities import CpuCapabilities, available_isa_levels, probe
 from tests.engine.runtime.attention.paged_reference import make_paged_batch, reference_attention
 
 CPU = torch.device("cpu")
@@ -22,12 +29,20 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++
 
 @pytest.fixture(scope="module")
 def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("kernels")
+    # The session's, shared with test_cpu_fused.py: each level compiles once per run (~10 s).
+    return tmp_path_factory.getbasetemp() / "native-kernels"
 
 
 @pytest.fixture(scope="module")
 def backend(build_dir: Path) -> cpu_native.CpuNativeBackend:
+    """The default build (the probe's kernel_isa), for the tests of what reaches the kernel."""
     return cpu_native.create_backend(build_dir)
+
+
+@pytest.fixture(scope="module", params=available_isa_levels())
+def isa_backend(request: pytest.FixtureRequest, build_dir: Path) -> cpu_native.CpuNativeBackend:
+    """One backend per kernel build level whose code runs on this CPU."""
+    return cpu_native.create_backend(build_dir, request.param)
 
 
 def forward_and_reference(backend, batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,12 +68,12 @@ DECODE_CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
-def test_matches_reference(backend, case: tuple, dtype: torch.dtype) -> None:
+def test_matches_reference(isa_backend, case: tuple, dtype: torch.dtype) -> None:
     chunks, num_decodes, block_size, num_heads, num_kv_heads, head_dim = case
     batch = make_paged_batch(
         chunks, num_decodes, block_size, num_heads, num_kv_heads, head_dim, dtype=dtype
     )
-    out, expected = forward_and_reference(backend, batch)
+    out, expected = forward_and_reference(isa_backend, batch)
     assert out.dtype == dtype and out.shape == batch.query.shape
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
@@ -73,11 +88,11 @@ def two_threads():
 
 
 @pytest.mark.usefixtures("two_threads")
-def test_many_sequences_split_whole_sequences_over_threads(backend) -> None:
+def test_many_sequences_split_whole_sequences_over_threads(isa_backend) -> None:
     # 32 decodes >= 4 per thread: the kernel gives each task a whole sequence, not one KV head
     chunks = [(17 * i % 90, 1) for i in range(32)]
     batch = make_paged_batch(chunks, 32, 16, 9, 3, 64, dtype=torch.bfloat16, seed=7)
-    out, expected = forward_and_reference(backend, batch)
+    out, expected = forward_and_reference(isa_backend, batch)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
@@ -135,30 +150,92 @@ def test_inputs_the_kernel_cannot_read_safely_never_reach_it(
     assert calls == []
 
 
-def test_a_new_build_replaces_older_ones(tmp_path: Path) -> None:
-    stale = tmp_path / "cpu_kernels-0123456789abcdef.so"
-    stale.write_bytes(b"an older revision")
-    cpu_native.load_library(tmp_path)
-    libraries = list(tmp_path.glob("cpu_kernels-*.so"))
-    assert len(libraries) == 1 and libraries[0] != stale
+def test_a_new_build_replaces_older_ones_of_its_level(tmp_path: Path) -> None:
+    stale = tmp_path / "kernels-native-0123456789abcdef.so"
+    legacy = tmp_path / "cpu_kernels-0123456789abcdef.so"  # named before levels were
+    other_level = tmp_path / "kernels-avx2-0123456789abcdef.so"
+    for path in (stale, legacy, other_level):
+        path.write_bytes(b"an older revision")
+    native.load_library(tmp_path, "native")
+    libraries = sorted(tmp_path.glob("*.so"))
+    assert len(libraries) == 2 and other_level in libraries
+    assert libraries[1].name.startswith("kernels-native-") and libraries[1] != stale
 
 
 def test_library_is_built_once_per_source_and_reused(build_dir: Path, backend) -> None:
-    libraries = list(build_dir.glob("cpu_kernels-*.so"))
+    level = capabilities.cpu_capabilities().kernel_isa  # the backend fixture's
+    libraries = list(build_dir.glob(f"kernels-{level}-*.so"))
     assert len(libraries) == 1
     stamp = libraries[0].stat().st_mtime_ns
-    cpu_native.load_library.cache_clear()
-    cpu_native.load_library(build_dir)  # a fresh process would do this: find, not rebuild
+    native._load_library.cache_clear()
+    native.load_library(build_dir)  # a fresh process would do this: find, not rebuild
     assert libraries[0].stat().st_mtime_ns == stamp
-    assert [p.name for p in build_dir.iterdir()] == [libraries[0].name]  # no scratch left
+    assert all(p.suffix == ".so" for p in build_dir.iterdir())  # no scratch dir left
+
+
+@pytest.mark.parametrize(
+    ("isa", "march"),
+    [("native", "-march=native"), ("avx2", "-march=x86-64-v3"), ("baseline", "-march=x86-64-v2")],
+)
+def test_each_level_builds_for_its_own_target(isa: str, march: str) -> None:
+    flags = native.compile_flags(isa)
+    assert march in flags and sum(f.startswith("-march=") for f in flags) == 1
+    if isa != "native":  # 512-bit vectors are for AVX-512 CPUs only
+        assert "-mprefer-vector-width=512" not in flags
+
+
+def test_kvshare_cpu_isa_forces_the_lowest_level_here(
+    build_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lowest = available_isa_levels()[-1]  # baseline on x86-64, native elsewhere
+    forced = probe(environ={capabilities.ISA_ENV: lowest})
+    assert forced.kernel_isa == lowest and forced.kernel_levels() == (lowest,)
+    monkeypatch.setattr(capabilities, "cpu_capabilities", lambda: forced)
+    library = native.load_library(build_dir)  # no level given: the probe's
+    assert Path(library._name).name.startswith(f"kernels-{lowest}-")
+
+
+AVX512 = frozenset(
+    {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "sse4_2", "popcnt"}
+)
+AVX2 = frozenset({"avx2", "fma", "sse4_2", "popcnt"})
+SSE4 = frozenset({"sse4_2", "popcnt"})
+
+# (cpu flags, KVSHARE_CPU_ISA) -> (isa, kernel_levels), kernel_isa first.
+ISA_CASES = {
+    "avx512": (AVX512, "", "avx512", ("native", "avx2", "baseline")),
+    "avx512-without-bw-is-avx2": (AVX2 | {"avx512f"}, "", "avx2", ("native", "avx2", "baseline")),
+    "avx2": (AVX2, "", "avx2", ("native", "avx2", "baseline")),
+    "sse4": (SSE4, "", "baseline", ("native", "baseline")),
+    "not-x86": (frozenset({"fp", "asimd"}), "", "native", ("native",)),
+    "avx512-forced-avx2": (AVX512, "avx2", "avx2", ("avx2", "baseline")),
+    "avx2-forced-baseline": (AVX2, " Baseline ", "baseline", ("baseline",)),
+    "forced-native": (AVX2, "native", "avx2", ("native", "avx2", "baseline")),
+    "forced-above-the-cpu-is-ignored": (SSE4, "avx2", "baseline", ("native", "baseline")),
+    "forced-avx512-is-no-level": (AVX512, "avx512", "avx512", ("native", "avx2", "baseline")),
+    "not-x86-forced-is-ignored": (frozenset(), "avx2", "native", ("native",)),
+}
+
+
+@pytest.mark.parametrize("case", ISA_CASES.values(), ids=ISA_CASES.keys())
+def test_probe_picks_the_isa_from_cpu_flags_and_env(case: tuple) -> None:
+    flags, env_value, isa, levels = case
+    found = probe(environ={capabilities.ISA_ENV: env_value}, flags=flags, bf16_supported=False)
+    assert (found.isa, found.kernel_levels()) == (isa, levels)
+    assert found.kernel_isa == levels[0]
+
+
+def test_probe_reads_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(capabilities.ISA_ENV, "baseline")
+    assert probe(flags=AVX2, bf16_supported=False) == CpuCapabilities("baseline", False, "baseline")
 
 
 def test_a_failed_build_is_reported_and_auto_falls_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("CXX", "/bin/false")
-    with pytest.raises(cpu_native.NativeBuildError, match="failed"):
-        cpu_native.load_library(tmp_path)
+    with pytest.raises(native.NativeBuildError, match="failed"):
+        native.load_library(tmp_path)
     with pytest.raises(ValueError, match="'cpu' is unavailable"):
         get_attention_backend("cpu", CPU, tmp_path)
     with caplog.at_level(logging.WARNING):

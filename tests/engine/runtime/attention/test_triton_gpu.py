@@ -1,33 +1,34 @@
 """Triton kernels vs the naive paged reference on a CUDA device, at realistic shapes (bf16).
 
-Skipped without CUDA. The CPU interpreter tests (test_triton_kernels.py) cover the same
-kernels on tiny shapes; these check compiled code, real head dims and long contexts.
+Skipped without CUDA (the gpu marker) or compiled Triton (tests/conftest.py). The CPU
+interpreter tests (test_triton_kernels.py) cover the same kernels on tiny shapes; these check
+compiled code, real head dims and long contexts.
 """
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
-
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("TRITON_INTERPRET=1: kernels would not be compiled", allow_module_level=True)
-pytest.importorskip("triton")
-
-from engine.runtime.attention.triton_backend import TritonBackend  # noqa: E402
-from tests.engine.runtime.attention.paged_reference import (  # noqa: E402
+from tests.engine.runtime.attention.paged_reference import (
     PagedBatch,
     make_paged_batch,
     reference_attention,
 )
 
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled_triton")]
+
 BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
+
+
+def triton_backend(**kwargs):
+    """A TritonBackend. Imported here, when a test runs: importing triton while collecting
+    would load it outside the interpreter (see compiled_triton in tests/conftest.py)."""
+    from engine.runtime.attention.triton_backend import TritonBackend
+
+    return TritonBackend(**kwargs)
 
 
 def random_chunks(num_seqs: int, max_cached: int, max_new: int, seed: int) -> list[tuple]:
@@ -37,7 +38,7 @@ def random_chunks(num_seqs: int, max_cached: int, max_new: int, seed: int) -> li
 
 def check_forward(batch: PagedBatch, num_splits: int | None = None) -> None:
     scale = batch.query.shape[-1] ** -0.5
-    out = TritonBackend(num_splits=num_splits).forward(
+    out = triton_backend(num_splits=num_splits).forward(
         batch.query, batch.k_cache, batch.v_cache, batch.meta, scale
     )
     torch.cuda.synchronize()
@@ -91,7 +92,7 @@ def test_decode_replays_in_a_cuda_graph() -> None:
     # capture once, then change the (static) inputs in place: the replay must follow them
     chunks = [(c, 1) for c in (900, 33, 2500, 7)]
     batch = make_paged_batch(chunks, 4, 16, 32, 8, 128, dtype=torch.bfloat16, device="cuda")
-    backend = TritonBackend(num_splits=4)
+    backend = triton_backend(num_splits=4)
     scale = 128**-0.5
     backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)  # compile
     torch.cuda.synchronize()
@@ -126,7 +127,7 @@ def test_store_kv_and_copy_blocks_are_exact() -> None:
     keep = slots >= 0
     expected_k.view(-1, num_kv_heads, head_dim)[slots[keep]] = key[keep]
     expected_v.view(-1, num_kv_heads, head_dim)[slots[keep]] = value[keep]
-    backend = TritonBackend()
+    backend = triton_backend()
     backend.store_kv(key, value, k_cache, v_cache, slots)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 

@@ -45,7 +45,7 @@ interpreted = pytest.mark.skipif(
 
 @pytest.mark.skipif(_CAN_INTERPRET_HERE, reason="the tests below run in this process")
 def test_in_fresh_process() -> None:
-    repo_root = Path(__file__).resolve().parents[3]
+    repo_root = Path(__file__).resolve().parents[4]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
         cwd=repo_root,

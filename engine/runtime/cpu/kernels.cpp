@@ -2,8 +2,9 @@
 // in place from the paged pool through each sequence's block table, no gather into a dense
 // copy) and the Llama block's fused elementwise ops (RMSNorm, SiLU-and-mul, rope; at the end).
 //
-// Built on first use by engine/runtime/attention/cpu_native.py (g++ -O3 -march=native -fopenmp) and
-// called through ctypes with raw pointers to contiguous tensors.
+// Built on first use by engine/runtime/cpu/native.py (g++ -O3 -fopenmp, -march=native or a forced
+// lower level: x86-64-v3 for AVX2, x86-64-v2 for SSE4.2) and called through ctypes with raw
+// pointers to contiguous tensors.
 //
 // Decode attention.
 // Shapes (the attention interface's axes):
@@ -13,8 +14,9 @@
 // A task is one sequence (or, with few sequences, one of its KV heads). The G = H / Hkv query
 // heads that share a KV head are done together, so each K/V row is read once for all (GQA).
 // Math is fp32 whatever the storage type, in two passes: scores and their softmax, then the
-// weighted sum of V. Vectors are GCC vector extensions of 16 floats, which the compiler maps
-// to AVX-512 (or pairs of AVX2 registers); D must be a multiple of 16.
+// weighted sum of V. Vectors are GCC vector extensions of 16 floats whatever the target, so one
+// source serves every level: the compiler maps each to one AVX-512 register, or splits it into
+// two AVX2 (x86-64-v3) or four SSE (x86-64-v2) registers. D must be a multiple of 16.
 
 #include <cmath>
 #include <cstdint>
@@ -249,7 +251,7 @@ int dispatch_head_dim(const T* query, const T* k_cache, const T* v_cache,
 // ---- Fused elementwise ops of a Llama block -------------------------------------------------
 // Each rounds to the storage type wherever the torch code it replaces (engine/runtime/models/llama.py)
 // does, so bf16 results match torch's up to the last bit of an fp32 intermediate. Rows are
-// contiguous and their lengths multiples of 16 (cpu_fused.py checks before calling).
+// contiguous and their lengths multiples of 16 (engine/runtime/cpu/fused.py checks first).
 
 constexpr int64_t kParallelMin = 1 << 16;  // elements below which threads cost more than they save
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 # Run in a fresh interpreter (no torch, nothing freed yet, so glibc's adaptive mmap threshold
 # is still at its 128 KiB start): how many bytes does a 24 MiB malloc add to mmapped chunks?
 _PROBE = """
 import ctypes, sys
-from engine import cpu_runtime
+from engine.runtime.cpu import allocator
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (
@@ -29,8 +29,8 @@ libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 if sys.argv[1] == "tuned":
-    assert cpu_runtime.keep_temporaries_on_heap()
-    assert cpu_runtime.keep_temporaries_on_heap()  # idempotent
+    assert allocator.keep_temporaries_on_heap()
+    assert allocator.keep_temporaries_on_heap()  # idempotent
 before = libc.mallinfo2().hblkhd
 block = libc.malloc(24 << 20)
 print(libc.mallinfo2().hblkhd - before)

@@ -1,0 +1,139 @@
+"""What this CPU can run, probed once: the one answer kvshare's CPU code paths ask.
+
+Two answers differ between the x86-64 CPUs kvshare runs on:
+
+- bf16_linear: whether oneDNN can pack and run bfloat16 linears. It needs AVX-512 (BW, VL,
+  DQ) or AVX-NE-CONVERT; on an AVX2-only CPU mkldnn._reorder_linear_weight refuses bf16, so
+  there bf16 models keep plain nn.Linear (engine/runtime/cpu/linear.py, can_pack).
+- isa: the best vector level the native kernels (engine/runtime/cpu/kernels.cpp, built by
+  engine/runtime/cpu/native.py) can target here, from the /proc/cpuinfo flags: "avx512"
+  (avx512f, avx512bw, avx512vl, avx512dq), "avx2" (avx2, fma), "baseline" (sse4_2, popcnt:
+  x86-64-v2), or "native" off x86-64 or without those flags, where only the compiler's own
+  -march=native is offered.
+
+Two environment variables force the lower path, to run (or test) it on a CPU that has the
+higher one, or to step around a fast path that misbehaves:
+
+- KVSHARE_CPU_ISA=avx2|baseline builds the native kernels for that level (-march=x86-64-v3
+  or -march=x86-64-v2) instead of -march=native. A level above this CPU's is ignored with a
+  warning: its code would stop on an illegal instruction.
+- KVSHARE_CPU_BF16_LINEAR=0 never packs bfloat16 linears; they run on F.linear.
+
+Both are read when cpu_capabilities() first runs (it is cached; tests clear the cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ISA_ENV = "KVSHARE_CPU_ISA"
+BF16_LINEAR_ENV = "KVSHARE_CPU_BF16_LINEAR"
+
+# x86-64 vector levels, best first, with the /proc/cpuinfo flags each needs. Every CPU with
+# avx2 and fma (Haswell, Excavator and later) has the rest of x86-64-v3 (BMI1/2, F16C, MOVBE).
+_ISA_FLAGS = (
+    ("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),
+    ("avx2", frozenset({"avx2", "fma"})),
+    ("baseline", frozenset({"sse4_2", "popcnt"})),
+)
+_ISA_ORDER = tuple(level for level, _ in _ISA_FLAGS)
+FORCED_LEVELS = ("avx2", "baseline")  # the kernel builds offered below -march=native
+
+
+@dataclass(frozen=True)
+class CpuCapabilities:
+    """What the CPU code paths may use in this process.
+
+    isa: "avx512" | "avx2" | "baseline" | "native" (the detected level, or a forced lower one).
+    bf16_linear: oneDNN packs and runs bf16 linears (False when forced off).
+    kernel_isa: the level the native kernels are built for: "native", or the forced level.
+    """
+
+    isa: str
+    bf16_linear: bool
+    kernel_isa: str = "native"
+
+    def kernel_levels(self) -> tuple[str, ...]:
+        """Every kernel build level whose code runs here: kernel_isa first, then each lower
+        forced level (on an AVX-512 CPU: native, avx2, baseline)."""
+        lower = tuple(level for level in FORCED_LEVELS if _runs_on(level, self.isa))
+        return (self.kernel_isa, *(level for level in lower if level != self.kernel_isa))
+
+
+@cache
+def cpu_capabilities() -> CpuCapabilities:
+    """This process's answer: probe() of its environment and CPU, computed once."""
+    capabilities = probe()
+    logger.info("CPU capabilities: %s", capabilities)
+    return capabilities
+
+
+def available_isa_levels() -> tuple[str, ...]:
+    """The native kernel build levels this CPU executes (see CpuCapabilities.kernel_levels)."""
+    return cpu_capabilities().kernel_levels()
+
+
+def probe(
+    environ: Mapping[str, str] | None = None,
+    flags: frozenset[str] | None = None,
+    bf16_supported: bool | None = None,
+) -> CpuCapabilities:
+    """The capabilities for these inputs; each left None is read from this process (os.environ,
+    /proc/cpuinfo, oneDNN), so a test can ask what another CPU would get."""
+    environ = os.environ if environ is None else environ
+    detected = _detect_isa(cpu_flags() if flags is None else flags)
+    forced = _forced_isa(environ.get(ISA_ENV, ""), detected)
+    bf16 = _onednn_bf16_supported() if bf16_supported is None else bf16_supported
+    forced_off = environ.get(BF16_LINEAR_ENV, "").strip().lower() in ("0", "false", "no", "off")
+    return CpuCapabilities(
+        isa=forced or detected, bf16_linear=bf16 and not forced_off, kernel_isa=forced or "native"
+    )
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The flags of /proc/cpuinfo's first processor; empty off Linux x86 (ARM says Features)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _detect_isa(flags: frozenset[str]) -> str:
+    return next((level for level, needed in _ISA_FLAGS if needed <= flags), "native")
+
+
+def _runs_on(level: str, isa: str) -> bool:
+    """Whether code built for `level` runs on a CPU whose best level is `isa`."""
+    return isa in _ISA_ORDER and _ISA_ORDER.index(level) >= _ISA_ORDER.index(isa)
+
+
+def _forced_isa(value: str, detected: str) -> str | None:
+    value = value.strip().lower()
+    if value in ("", "native"):
+        return None
+    if value not in FORCED_LEVELS:
+        logger.warning("ignoring %s=%s: expected native, avx2 or baseline", ISA_ENV, value)
+        return None
+    if not _runs_on(value, detected):
+        logger.warning("ignoring %s=%s: this CPU's best level is %s", ISA_ENV, value, detected)
+        return None
+    return value
+
+
+def _onednn_bf16_supported() -> bool:
+    return torch.backends.mkldnn.is_available() and bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )

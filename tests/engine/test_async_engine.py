@@ -1,0 +1,82 @@
+"""AsyncEngine on a tiny random Llama: stats are pushed once per step, never pulled."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from app.metrics import ServerMetrics
+from engine.async_engine import AsyncEngine
+from engine.core.config import EngineConfig
+from engine.core.protocol import EngineRequest, EngineStats
+from engine.core.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+NUM_REQUESTS = 3
+MAX_TOKENS = 6
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+async def _run(engine: AsyncEngine, request_id: str, prompt: list[int]) -> int:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    num_tokens = 0
+    async for output in engine.generate(EngineRequest(request_id, prompt, params)):
+        num_tokens += sum(len(choice.new_token_ids) for choice in output.outputs)
+    return num_tokens
+
+
+async def _started(config: EngineConfig) -> AsyncEngine:
+    engine = AsyncEngine(config)
+    await engine.start()
+    for _ in range(600):
+        if engine.is_ready or engine.load_error:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.is_ready, engine.load_error
+    return engine
+
+
+def _histogram_count(text: str, name: str) -> float:
+    match = re.search(rf"^{name}_count (\S+)$", text, re.MULTILINE)
+    assert match, name
+    return float(match.group(1))
+
+
+async def test_every_step_reaches_each_listener_once(make_tiny_model) -> None:
+    config = EngineConfig(
+        model=str(make_tiny_model()), dtype="float32", num_kv_blocks=64, max_num_seqs=8
+    )
+    received: list[EngineStats] = []
+    metrics = ServerMetrics()
+    engine = await _started(config)
+    engine.add_stats_listener(received.append)
+    engine.add_stats_listener(metrics.observe_engine)
+    prompts = [[5 + i, 9, 17, 33, 4 + i] for i in range(NUM_REQUESTS)]
+    counts = await asyncio.gather(*(_run(engine, f"r{i}", p) for i, p in enumerate(prompts)))
+    await asyncio.sleep(1.2)  # the idle engine publishes again (its 0.5 s wake-up)
+    await engine.shutdown()
+    await asyncio.sleep(0)  # callbacks the engine thread queued before it stopped
+
+    assert counts == [MAX_TOKENS] * NUM_REQUESTS
+    last = engine.stats()
+    assert last is received[-1]  # stats() is the latest pushed snapshot, not a fresh read
+    steps = [stats for stats in received if stats.step is not None]
+    # Each model step arrives once and in order: its sequence number grows by one.
+    numbers = [stats.num_steps for stats in steps]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+    assert len(set(map(id, received))) == len(received)  # no snapshot delivered twice
+    assert last.num_generation_tokens == NUM_REQUESTS * MAX_TOKENS
+    assert (last.num_running, last.num_waiting, last.num_leaked_blocks) == (0, 0, 0)
+    assert last.num_free_blocks + last.num_cached_blocks == last.num_total_blocks == 64
+    text = metrics.render().decode()
+    assert _histogram_count(text, "kvshare_step_duration_seconds") == len(steps)
+    assert _histogram_count(text, "kvshare_batch_size") == len(steps)
+    batch_sum = re.search(r"^kvshare_batch_size_sum (\S+)$", text, re.MULTILINE)
+    assert batch_sum and float(batch_sum.group(1)) == sum(s.step.num_seqs for s in steps)

@@ -1,0 +1,74 @@
+"""A real `kvshare serve` (real engine, real uvicorn on 127.0.0.1) for integration tests and
+benchmarks: start one, and read its /metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Start `kvshare serve` with config/cpu.yaml plus `flags`; yield its base URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "app.cli", "serve", "--config", "config/cpu.yaml"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *flags]
+    process = subprocess.Popen(
+        command, cwd=REPO, env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base_url, process)
+        yield base_url
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait_ready(base_url: str, process: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited early:\n{process.stderr.read()[-4000:]}")
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server did not become ready in time")
+
+
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+(?P<value>\S+)$")
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """/metrics as {'name{labels}': value} (labels exactly as the server prints them)."""
+    samples = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=10.0).text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            samples[match["name"] + (match["labels"] or "")] = float(match["value"])
+    return samples
