@@ -62,7 +62,9 @@ class BlockPool:
 
     def set_cached_listener(self, listener: CachedListener | None) -> None:
         """listener(block_id, is_cached) runs whenever a block starts or stops being cached
-        (tree-owned with refcount 1): the radix cache keeps its evictable count with it."""
+        (tree-owned with refcount 1): the radix cache keeps its evictable count with it.
+        One listener per pool (one RadixCache per pool)."""
+        assert listener is None or self._cached_listener is None, "the pool has a listener"
         self._cached_listener = listener
 
     def _set_cached(self, block_id: int, is_cached: bool) -> None:

@@ -451,7 +451,9 @@ class RadixCache:
 
     def reset(self) -> list[int]:
         """Drop every namespace; returns all block ids the tree released."""
-        return [b for namespace in list(self._roots) for b in self.drop_namespace(namespace)]
+        released = [b for namespace in list(self._roots) for b in self.drop_namespace(namespace)]
+        self._heap.clear()  # every entry is stale now; keeps no detached node alive
+        return released
 
     def _release_subtree(self, top: RadixNode) -> list[int]:
         released: list[int] = []
@@ -475,7 +477,8 @@ class RadixCache:
         key = node.token_ids[: self.block_size]
         assert parent is not None and parent.children.get(key) is node
         del parent.children[key]
-        self._add_lock_count(parent, -node.lock_count)
+        if node.lock_count:  # an unlocked node (every evicted one) walks nothing up
+            self._add_lock_count(parent, -node.lock_count)
         node.parent = None
         if node.is_blocked:
             parent.num_blocked_children -= 1
