@@ -56,9 +56,10 @@ class RadixNode:
     lock_count: int = 0
     num_own_locks: int = 0
     last_access: int = 0
-    # Running figures (see the module docstring): pinned blocks of this edge, children that
-    # are blocked, whether this node is blocked, and how many of its blocks evict() can free.
-    num_pinned_blocks: int = 0
+    # Running figures (see the module docstring): the index of this edge's last pinned
+    # block (-1: none), children that are blocked, whether this node is blocked, and how many
+    # of its blocks evict() can free (those after the last pinned one).
+    last_pinned_index: int = -1
     num_blocked_children: int = 0
     is_blocked: bool = False
     num_evictable_blocks: int = 0
@@ -113,6 +114,7 @@ class RadixCache:
         self.block_size = pool.block_size
         self._roots: dict[Namespace, RadixNode] = {}
         self._node_of_block: dict[int, RadixNode] = {}
+        self._index_of_block: dict[int, int] = {}  # block -> its index in its node's edge
         self._clock = 0  # monotonic access counter: LRU order is deterministic
         self.num_evictions = 0  # blocks freed by evict()
         self.num_invalidated_blocks = 0  # blocks dropped by invalidate()
@@ -231,11 +233,12 @@ class RadixCache:
         assert len(set(block_ids)) == len(block_ids), f"block listed twice: {list(block_ids)}"
         leaf = RadixNode(tuple(token_ids), list(block_ids), parent, last_access=self._clock)
         parent.children[leaf.token_ids[: self.block_size]] = leaf
-        for block_id in block_ids:
+        for index, block_id in enumerate(block_ids):
             assert not self.pool.is_tree_owned(block_id), f"block {block_id} is already cached"
             self.pool.incref(block_id)
             self.pool.set_tree_owned(block_id, True)
             self._node_of_block[block_id] = leaf
+            self._index_of_block[block_id] = index
         self._recount(leaf)
 
     def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
@@ -261,6 +264,8 @@ class RadixCache:
         upper.children[node.token_ids[:bs]] = node
         for block_id in upper.block_ids:
             self._node_of_block[block_id] = upper
+        for index, block_id in enumerate(node.block_ids):
+            self._index_of_block[block_id] = index
         # upper takes node's place in parent's blocked-children count, then both recount.
         upper.is_blocked = node.is_blocked
         upper.num_blocked_children = int(node.is_blocked)
@@ -297,35 +302,44 @@ class RadixCache:
         node = self._node_of_block.get(block_id)
         if node is None:
             return
-        node.num_pinned_blocks += -1 if is_cached else 1
+        index = self._index_of_block[block_id]
+        if not is_cached:
+            node.last_pinned_index = max(node.last_pinned_index, index)
+        elif index == node.last_pinned_index:
+            # Holders hold paths from position 0, so the block before is pinned too when any
+            # is: this scan stops at once but in transient states (never a walk of the tree).
+            node.last_pinned_index = self._last_pinned_index(node, index - 1)
         self._refresh(node)
         if is_cached:
             self._offer(node)
 
+    def _last_pinned_index(self, node: RadixNode, start: int) -> int:
+        """The index of the last pinned block of node at or before `start` (-1: none)."""
+        index = start
+        while index >= 0 and self._is_held_by_tree_only(node.block_ids[index]):
+            index -= 1
+        return index
+
     def _recount(self, node: RadixNode) -> None:
-        """After node's block list changed: count its pinned blocks again, then refresh."""
-        node.num_pinned_blocks = sum(not self._is_held_by_tree_only(b) for b in node.block_ids)
+        """After node's block list changed: find its last pinned block again, then refresh."""
+        node.last_pinned_index = self._last_pinned_index(node, len(node.block_ids) - 1)
         self._refresh(node)
 
     def _refresh(self, node: RadixNode | None) -> None:
         """Update node's evictable blocks and blocked state; go up while the state flips."""
         while node is not None and not node.is_root:
             is_covered = node.num_own_locks > 0 or node.num_blocked_children > 0
-            num_evictable = 0 if is_covered else self._num_unpinned_tail_blocks(node)
+            num_unpinned = len(node.block_ids) - 1 - node.last_pinned_index
+            num_evictable = 0 if is_covered else num_unpinned
             self._num_evictable += num_evictable - node.num_evictable_blocks
             node.num_evictable_blocks = num_evictable
-            is_blocked = is_covered or node.num_pinned_blocks > 0
+            is_blocked = is_covered or node.last_pinned_index >= 0
             if is_blocked == node.is_blocked:
                 return
             node.is_blocked = is_blocked
             if node.parent is not None:
                 node.parent.num_blocked_children += 1 if is_blocked else -1
             node = node.parent
-
-    def _num_unpinned_tail_blocks(self, node: RadixNode) -> int:
-        if node.num_pinned_blocks == 0:
-            return len(node.block_ids)
-        return self._num_evictable_tail_blocks(node)
 
     def _offer(self, node: RadixNode | None) -> None:
         """Queue node for evict() if it is an eviction candidate now (duplicates are fine)."""
@@ -426,7 +440,7 @@ class RadixCache:
         node = self._node_of_block.get(block_id)
         if node is None:
             return []
-        index = node.block_ids.index(block_id)
+        index = self._index_of_block[block_id]
         if index > 0:
             self._split(node, index)
         self._detach(node)
@@ -468,6 +482,7 @@ class RadixCache:
     def _release_block(self, block_id: int) -> None:
         """Drop the tree's reference; the caller takes the block off its edge and recounts."""
         del self._node_of_block[block_id]
+        del self._index_of_block[block_id]
         self.pool.set_tree_owned(block_id, False)
         self.pool.decref(block_id)
 
@@ -538,7 +553,9 @@ class RadixCache:
             assert root.lock_count == 0 and not root.token_ids
             for node in self._preorder(root):
                 self._check_node(node, seen)
-        assert seen == set(self._node_of_block), "block index out of sync with the tree"
+        assert seen == set(self._node_of_block) == set(self._index_of_block), (
+            "block index out of sync with the tree"
+        )
         for block_id in range(self.pool.num_blocks):
             if self.pool.is_tree_owned(block_id):
                 assert block_id in seen, f"block {block_id} tree-owned but not in the tree"
@@ -557,11 +574,12 @@ class RadixCache:
         """node's running figures equal a recount (the walk checks the total)."""
         if node.is_root:
             return
-        num_pinned = sum(not self._is_held_by_tree_only(b) for b in node.block_ids)
+        pinned = [i for i, b in enumerate(node.block_ids) if not self._is_held_by_tree_only(b)]
+        last_pinned = max(pinned, default=-1)
         num_blocked = sum(child.is_blocked for child in node.children.values())
         is_covered = node.num_own_locks > 0 or num_blocked > 0
-        expected = (num_pinned, num_blocked, is_covered or num_pinned > 0)
-        actual = (node.num_pinned_blocks, node.num_blocked_children, node.is_blocked)
+        expected = (last_pinned, num_blocked, is_covered or last_pinned >= 0)
+        actual = (node.last_pinned_index, node.num_blocked_children, node.is_blocked)
         assert actual == expected, f"node {node.node_id}: figures {actual} != {expected}"
         num_evictable = 0 if is_covered else self._num_evictable_tail_blocks(node)
         assert node.num_evictable_blocks == num_evictable, f"node {node.node_id} evictable"
@@ -577,10 +595,11 @@ class RadixCache:
             assert node.lock_count == node.num_own_locks + child_locks, "lock counts disagree"
         assert len(node.token_ids) == len(node.block_ids) * bs, "edge is not whole blocks"
         assert node.last_access <= self._clock
-        for block_id in node.block_ids:
+        for index, block_id in enumerate(node.block_ids):
             assert block_id not in seen, f"block {block_id} appears twice in the tree"
             seen.add(block_id)
             assert self._node_of_block.get(block_id) is node, f"block {block_id} misindexed"
+            assert self._index_of_block[block_id] == index, f"block {block_id} index"
             assert self.pool.refcount(block_id) >= 1, f"tree block {block_id} is free"
             assert self.pool.is_tree_owned(block_id), f"tree block {block_id} not tree-owned"
         self._check_figures(node)

@@ -98,3 +98,29 @@ def test_evictable_count_follows_holds_and_locks_without_a_walk() -> None:
     cache.unlock(match.last_node)
     assert cache.num_evictable_blocks() == 1_000
     kv.check_integrity([])  # recounts every figure by walking, and compares
+
+
+def test_pinning_a_long_edge_block_by_block_costs_the_same_per_block() -> None:
+    """Taking (then dropping) every block of one cached edge in order, as _adopt_tree_blocks
+    does, costs lines linear in the edge's length, a + b * n (no tail rescans: those grow as
+    n * n)."""
+    lines = {}
+    for num_blocks in (10, 100, 1_000):
+        pool = BlockPool(num_blocks, 1)
+        kv = KVCacheManager(pool, enable_prefix_cache=True)
+        assert kv.prefix_cache is not None
+        block_ids = [pool.allocate() for _ in range(num_blocks)]
+        kv.prefix_cache.insert(NAMESPACE, list(range(num_blocks)), block_ids)
+        for block_id in block_ids:
+            pool.decref(block_id)  # one edge, cached: the tree alone holds it
+
+        def take_and_drop(block_ids=block_ids, pool=pool) -> None:
+            for block_id in block_ids:
+                pool.incref(block_id)
+            for block_id in reversed(block_ids):
+                pool.decref(block_id)
+
+        lines[num_blocks] = lines_run(take_and_drop)
+        kv.check_integrity([])
+        assert kv.prefix_cache.num_evictable_blocks() == num_blocks
+    assert lines[1_000] - lines[100] == 10 * (lines[100] - lines[10]), lines
