@@ -24,6 +24,7 @@ from engine.core.errors import (
     EngineNotReady,
     FaultInjectionDisabled,
     InvalidFaultTarget,
+    KVEventsDisabled,
     KVShareError,
     ParamError,
 )
@@ -91,6 +92,7 @@ ENGINE_ERRORS: dict[type[KVShareError], ErrorStatus] = {
     ),
     FaultInjectionDisabled: ErrorStatus(403, code="fault_injection_disabled"),
     InvalidFaultTarget: ErrorStatus(409, code="no_fault_target"),
+    KVEventsDisabled: ErrorStatus(404, code="kv_events_disabled"),
     EngineNotReady: ErrorStatus(503, type=SERVER_ERROR, code="not_ready"),
     KVShareError: ErrorStatus(
         500, type=SERVER_ERROR, code="engine_error", prefix="The engine failed this request: "

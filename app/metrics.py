@@ -52,6 +52,10 @@ _ENGINE_COUNTERS = (
      "num_write_violations"),
     ("kvshare_kv_cow_copies", "Copy-on-write copies of shared KV blocks.", "num_cow_copies"),
     ("kvshare_kv_evictions", "KV blocks evicted from the prefix cache.", "num_evictions"),
+    ("kvshare_kv_events_published", "KV cache events sent to subscribers (ZMQ, opt-in).",
+     "num_kv_events_published"),
+    ("kvshare_kv_events_dropped", "KV cache events dropped: the publisher's queue was full.",
+     "num_kv_events_dropped"),
     ("kvshare_preemptions", "Sequences preempted to free KV blocks.", "num_preemptions"),
     ("kvshare_prompt_tokens", "Prompt tokens of admitted requests.", "num_prompt_tokens"),
     ("kvshare_prefill_tokens", "Prompt tokens actually computed (not served from cache).",
@@ -203,3 +207,33 @@ def _engine_gauges(stats: EngineStats) -> Iterator[Metric]:
     requests.add_metric(["running"], stats.num_running)
     requests.add_metric(["waiting"], stats.num_waiting)
     yield requests
+    yield from _router_gauges(stats)
+
+
+def _router_gauges(stats: EngineStats) -> Iterator[Metric]:
+    """What an endpoint picker reads besides the queue (kvshare_requests{state="waiting"}):
+    the usage it balances on and the cache geometry its prefix scorer sizes itself by."""
+    yield GaugeMetricFamily(
+        "kvshare_kv_usage_ratio",
+        "Fraction of KV blocks held by requests now, 0 to 1 (the meaning of "
+        "vllm:kv_cache_usage_perc). Blocks only the prefix cache holds count as free: they are "
+        "evicted on demand.",
+        value=_kv_usage_ratio(stats),
+    )
+    info = GaugeMetricFamily(
+        "kvshare_cache_config_info",
+        "KV cache geometry in labels, value 1 (vllm:cache_config_info's label names): "
+        "block_size in tokens, num_gpu_blocks = blocks in the pool (on whatever device).",
+        labels=["block_size", "num_gpu_blocks"],
+    )
+    if stats.num_total_blocks:  # before the pool exists: no sample rather than 0 blocks
+        info.add_metric([str(stats.block_size), str(stats.num_total_blocks)], 1)
+    yield info
+
+
+def _kv_usage_ratio(stats: EngineStats) -> float:
+    """Blocks neither free nor evictable, over all blocks (0 before the pool exists)."""
+    if not stats.num_total_blocks:
+        return 0.0
+    num_available = stats.num_free_blocks + stats.num_cached_blocks
+    return (stats.num_total_blocks - num_available) / stats.num_total_blocks

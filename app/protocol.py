@@ -52,6 +52,20 @@ class ResponseFormat(_Request):
     type: Literal["text"]
 
 
+# Extension fields that select something kvshare does not do: accepted only at the value that
+# asks for nothing (null / false), refused with a 400 naming the field otherwise.
+# field -> (its no-op value, what kvshare would have to do for any other value).
+_NO_OP_FIELDS: dict[str, tuple[Any, str]] = {
+    "return_hidden_states": (False, "returning hidden states is not supported"),
+    "lora_path": (None, "LoRA adapters are not supported"),
+    "rid": (None, "client-chosen request ids are not supported; the server picks the id"),
+    "session_params": (None, "sessions are not supported"),
+    "regex": (None, "constrained decoding (regex) is not supported"),
+    "ebnf": (None, "constrained decoding (ebnf) is not supported"),
+    "json_schema": (None, "constrained decoding (json_schema) is not supported"),
+}
+
+
 class _SamplingRequest(_Request):
     """The fields chat and completions share; None (or null) means "use the default"."""
 
@@ -76,6 +90,17 @@ class _SamplingRequest(_Request):
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    skip_special_tokens: bool | None = True  # false: special tokens stay in the text
+    no_stop_trim: bool | None = False  # SGLang's name: keep the matched stop in the text
+    include_stop_str_in_output: bool | None = False  # vLLM's name for the same
+    # SGLang extensions, accepted only at their no-op value (see _NO_OP_FIELDS).
+    return_hidden_states: bool | None = False
+    lora_path: str | list[str | None] | None = None
+    rid: str | list[str] | None = None
+    session_params: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -87,7 +112,25 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def keeps_stop(self) -> bool:
+        """The matched stop string (or stop token) stays in the text: no_stop_trim (SGLang)
+        or include_stop_str_in_output (vLLM)."""
+        return bool(self.no_stop_trim or self.include_stop_str_in_output)
+
+    @property
+    def skips_special_tokens(self) -> bool:
+        return self.skip_special_tokens is not False  # null means the default, true
+
+    def check_no_op_fields(self) -> None:
+        """ParamError naming the first extension field set to something kvshare does not do."""
+        for name, (no_op, reason) in _NO_OP_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None and value != no_op:
+                raise ParamError(name, f"{name}={value!r}: {reason}")
+
     def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        self.check_no_op_fields()
         given = {
             "n": self.n,
             "min_tokens": self.min_tokens,
@@ -117,6 +160,29 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    # Chat template extensions (vLLM / SGLang names).
+    continue_final_message: bool | None = False
+    add_generation_prompt: bool | None = None  # null: true, or false with continue_final_message
+    # Reasoning output (SGLang): kvshare has no reasoning parser, so the text is never split
+    # and both values give the same response, as on SGLang without --reasoning-parser.
+    separate_reasoning: bool | None = True
+    stream_reasoning: bool | None = True
+
+    def template_mode(self) -> tuple[bool, bool]:
+        """(add_generation_prompt, continue_final_message) for the chat template.
+
+        continue_final_message renders the last message, which must be the assistant's, open
+        so that the generation continues it; it cannot go with a new generation prompt.
+        """
+        if not self.continue_final_message:
+            return self.add_generation_prompt is not False, False
+        if self.add_generation_prompt:
+            message = "continue_final_message and add_generation_prompt cannot both be true"
+            raise ParamError("continue_final_message", message)
+        if self.messages[-1].role != "assistant":
+            message = "continue_final_message requires the last message to be the assistant's"
+            raise ParamError("continue_final_message", message)
+        return False, True
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -13,7 +13,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,7 +97,25 @@ class Prepared:
     engine_requests: list[EngineRequest]
     stop: tuple[str, ...]
     include_usage: bool
+    skip_special_tokens: bool = True
+    keep_stop: bool = False  # no_stop_trim: the matched stop stays in the text
     arrival: float = field(default_factory=time.monotonic)
+
+    @classmethod
+    def of(
+        cls,
+        formatter: Formatter,
+        engine_requests: list[EngineRequest],
+        request: ChatCompletionRequest | CompletionRequest,
+    ) -> Prepared:
+        return cls(
+            formatter,
+            engine_requests,
+            request.stop_strings,
+            request.include_usage,
+            skip_special_tokens=request.skips_special_tokens,
+            keep_stop=request.keeps_stop,
+        )
 
     @property
     def num_choices(self) -> int:
@@ -105,11 +123,19 @@ class Prepared:
 
 
 class _Choice:
-    """One choice's progress: detokenizer, stop strings, token count, finish reason."""
+    """One choice's progress: detokenizer, stop strings, token count, finish reason.
 
-    def __init__(self, index: int, detokenizer: IncrementalDetokenizer) -> None:
+    trim_stop_token: the EOS or stop_token_ids token that ends the choice adds no text
+    (SGLang's default once special tokens are kept, skip_special_tokens=false; no_stop_trim
+    keeps it). With special tokens skipped the text is as it always was.
+    """
+
+    def __init__(
+        self, index: int, detokenizer: IncrementalDetokenizer, trim_stop_token: bool = False
+    ) -> None:
         self.index = index
         self.detokenizer = detokenizer
+        self.trim_stop_token = trim_stop_token
         self.finish_reason: str | None = None
 
     def advance(self, output: CompletionOutput) -> ChoiceDelta:
@@ -117,7 +143,8 @@ class _Choice:
         logprobs = output.new_logprobs or []
         for position, token_id in enumerate(output.new_token_ids):
             delta.text_offsets.append(self.detokenizer.num_decoded_chars)
-            delta.text += self.detokenizer.feed_token(token_id)
+            if not self._is_trimmed_stop_token(output, position):
+                delta.text += self.detokenizer.feed_token(token_id)
             delta.token_ids.append(token_id)
             if position < len(logprobs):
                 delta.logprobs.append(logprobs[position])
@@ -130,6 +157,14 @@ class _Choice:
         elif output.finish_reason is not None:
             raise EngineError(f"the engine ended choice {self.index} ({output.finish_reason})")
         return delta
+
+    def _is_trimmed_stop_token(self, output: CompletionOutput, position: int) -> bool:
+        return (
+            self.trim_stop_token
+            and output.stop_token_id is not None
+            and position == len(output.new_token_ids) - 1
+            and output.new_token_ids[position] == output.stop_token_id
+        )
 
 
 class OpenAIServing:
@@ -162,14 +197,15 @@ class OpenAIServing:
         ChatTemplateError (400s)."""
         self.check_model(request.model)
         messages = [m.to_template_dict() for m in request.messages]
-        prompt_token_ids = self.model.tokenizer.apply_chat_template(messages)
+        template_mode = request.template_mode()  # (add_generation_prompt, continue_final_message)
+        prompt_token_ids = self.model.tokenizer.apply_chat_template(messages, *template_mode)
         if self.settings.log_prompts:
-            record.prompt = self.model.tokenizer.render_chat(messages)
+            record.prompt = self.model.tokenizer.render_chat(messages, *template_mode)
         response_id, engine_requests = self._engine_requests(
             "chatcmpl", [prompt_token_ids], request, record, prompt_param="messages"
         )
         formatter = ChatFormatter(**self._formatter_fields(response_id, bool(request.logprobs)))
-        return Prepared(formatter, engine_requests, request.stop_strings, request.include_usage)
+        return Prepared.of(formatter, engine_requests, request)
 
     def prepare_completion(self, request: CompletionRequest, record: RequestRecord) -> Prepared:
         """Tokenize and validate each prompt; one EngineRequest per prompt."""
@@ -186,7 +222,7 @@ class OpenAIServing:
             echo_texts=prompt_texts if request.echo else None,
             n=engine_requests[0].sampling_params.n,
         )
-        return Prepared(formatter, engine_requests, request.stop_strings, request.include_usage)
+        return Prepared.of(formatter, engine_requests, request)
 
     def _formatter_fields(self, response_id: str, want_logprobs: bool) -> dict[str, Any]:
         return {
@@ -311,8 +347,9 @@ class OpenAIServing:
         self, prepared: Prepared, request: EngineRequest, base_index: int, record: RequestRecord
     ) -> AsyncIterator[ChoiceDelta]:
         """One EngineRequest: feed its outputs to the choices; abort it if left early."""
+        trim_stop_token = not (prepared.skip_special_tokens or prepared.keep_stop)
         choices = [
-            _Choice(base_index + i, self._detokenizer(request, prepared.stop))
+            _Choice(base_index + i, self._detokenizer(request, prepared), trim_stop_token)
             for i in range(request.sampling_params.n)
         ]
         outputs = self.engine.generate(request)
@@ -354,8 +391,14 @@ class OpenAIServing:
                 if aclose is not None:
                     await aclose()
 
-    def _detokenizer(self, request: EngineRequest, stop: Sequence[str]) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.model.tokenizer, request.prompt_token_ids, stop)
+    def _detokenizer(self, request: EngineRequest, prepared: Prepared) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.model.tokenizer,
+            request.prompt_token_ids,
+            prepared.stop,
+            skip_special_tokens=prepared.skip_special_tokens,
+            include_stop=prepared.keep_stop,
+        )
 
     def _observe_timing(
         self,

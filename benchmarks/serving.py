@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-WORKLOADS = ("shared-prefix", "multi-turn", "unique", "mixed-length")
+WORKLOADS = ("shared-prefix", "multi-turn", "unique", "mixed-length", "many-system-prompts")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 # About one token per common English word with a BPE tokenizer: ~200 tokens of system prompt.
 SHARED_PREFIX_WORDS = 190
@@ -37,6 +37,7 @@ QUESTION_WORDS = 12
 TURNS_PER_CONVERSATION = 4
 MIXED_MIN_PROMPT_WORDS = 16
 MIXED_MAX_PROMPT_WORDS = 768
+NUM_SYSTEM_PROMPTS = 8  # many-system-prompts: distinct ~200-token system prompts
 
 _VOCABULARY = (
     "the system answers every question about orders shipping returns and payments with care "
@@ -147,6 +148,8 @@ def build_workload(name: str, num_requests: int, max_tokens: int, seed: int) -> 
                    context; every turn resends the history with the answers appended.
     unique:        prompts as long as the shared-prefix ones but sharing nothing.
     mixed-length:  unique prompts of log-uniform length, max_tokens in [max_tokens/8, max_tokens].
+    many-system-prompts: 8 distinct ~200-token system prompts, each shared by several users
+                   (request i uses prompt i % 8) in a shuffled order, a different question each.
     """
     if num_requests < 1 or max_tokens < 1:
         raise ValueError("num_requests and max_tokens must be at least 1")
@@ -162,6 +165,8 @@ def build_workload(name: str, num_requests: int, max_tokens: int, seed: int) -> 
         return [_unique(rng, i, max_tokens) for i in range(num_requests)]
     if name == "mixed-length":
         return [_mixed_length(rng, i, max_tokens) for i in range(num_requests)]
+    if name == "many-system-prompts":
+        return _many_system_prompts(rng, num_requests, max_tokens)
     raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
 
 
@@ -173,6 +178,23 @@ def _multi_turn(rng: random.Random, num_requests: int, max_tokens: int) -> list[
         turns = [opening] + [_question(rng, t) for t in range(1, num_turns)]
         conversations.append(Conversation(conversation_id, turns, [max_tokens] * num_turns))
     return conversations
+
+
+def _many_system_prompts(
+    rng: random.Random, num_requests: int, max_tokens: int
+) -> list[Conversation]:
+    systems = [
+        f"{_nonce(rng)} You are support assistant {k}. {_words(rng, SHARED_PREFIX_WORDS)}."
+        for k in range(NUM_SYSTEM_PROMPTS)
+    ]
+    # Shuffled, so that a router that simply alternates does not keep each prompt on one
+    # replica by accident of the arrival order.
+    order = list(range(num_requests))
+    rng.shuffle(order)
+    return [
+        Conversation(i, [_question(rng, i)], [max_tokens], systems[i % NUM_SYSTEM_PROMPTS])
+        for i in order
+    ]
 
 
 def _unique(rng: random.Random, index: int, max_tokens: int) -> Conversation:

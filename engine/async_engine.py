@@ -5,7 +5,7 @@ Thread contract: only the engine thread touches the LLMEngine (add, abort, step)
 loop talks to it through a command queue, and receives RequestOutputs through per-request
 asyncio queues fed with loop.call_soon_threadsafe. Commands are applied between steps, so an
 abort takes effect within one step; so is a fault drill (inject_fault), whose report comes
-back through a future.
+back through a future, and so is the KV block-hash listing (kv_block_hashes).
 
 Stats flow one way: after every step the engine thread hands the step's immutable EngineStats
 to the event loop together with the step's outputs; the loop keeps the latest (stats()) and
@@ -29,6 +29,7 @@ from engine.core.errors import (
     DuplicateRequest,
     EngineNotReady,
     FaultInjectionDisabled,
+    KVEventsDisabled,
 )
 from engine.core.protocol import EngineRequest, EngineStats, FaultReport, ModelInfo, RequestOutput
 from engine.llm_engine import LLMEngine
@@ -55,11 +56,16 @@ class _InjectFault:
     result: Future[FaultReport] = field(default_factory=Future)
 
 
+@dataclass
+class _ListKVBlocks:
+    result: Future[list[int]] = field(default_factory=Future)
+
+
 class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _InjectFault | _Stop
+_Command = _Add | _Abort | _InjectFault | _ListKVBlocks | _Stop
 
 
 class AsyncEngine:
@@ -165,6 +171,18 @@ class AsyncEngine:
         self._commands.put(command)
         return await asyncio.wrap_future(command.result)
 
+    async def kv_block_hashes(self) -> list[int]:
+        """The KV event hashes of every cached block, sorted, read by the engine thread
+        between two steps. Raises KVEventsDisabled unless kv_events_endpoint is set,
+        EngineNotReady when the engine is not running."""
+        if not self.config.kv_events_endpoint:
+            raise KVEventsDisabled("KV events are disabled (--kv-events-endpoint)")
+        if not self.is_ready:
+            raise EngineNotReady("the engine is not running")
+        command = _ListKVBlocks()
+        self._commands.put(command)
+        return await asyncio.wrap_future(command.result)
+
     # -- engine thread --------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -186,6 +204,7 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 outputs = self._fail_live_requests(engine, f"{type(exc).__name__}: {exc}")
             self._deliver(outputs, engine.latest_stats)
+        engine.close()  # asked to stop: the KV event publisher sends what is queued, then ends
 
     @staticmethod
     def _fail_live_requests(engine: LLMEngine, reason: str) -> list[RequestOutput]:
@@ -205,6 +224,8 @@ class AsyncEngine:
                 self._add(engine, command.request)
             elif isinstance(command, _InjectFault):
                 self._inject_fault(engine, command)
+            elif isinstance(command, _ListKVBlocks):
+                self._list_kv_blocks(engine, command)
             else:
                 self._abort(engine, command)
             try:
@@ -227,6 +248,13 @@ class AsyncEngine:
             command.result.set_exception(exc)
         else:
             command.result.set_result(report)
+
+    @staticmethod
+    def _list_kv_blocks(engine: LLMEngine, command: _ListKVBlocks) -> None:
+        try:
+            command.result.set_result(engine.kv_block_hashes())
+        except Exception as exc:  # KVEventsDisabled, or a bug: the caller reads it
+            command.result.set_exception(exc)
 
     def _add(self, engine: LLMEngine, request: EngineRequest) -> None:
         try:

@@ -6,12 +6,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from engine.audit.auditor import Auditor
 from engine.audit.faults import FaultInjector
 from engine.core.batch import ModelRunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
-from engine.core.errors import FaultInjectionDisabled
+from engine.core.errors import FaultInjectionDisabled, KVEventsDisabled
 from engine.core.protocol import (
     EngineRequest,
     EngineStats,
@@ -26,7 +27,11 @@ from engine.core.scheduler import Scheduler
 from engine.core.validation import validate_request
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.kv_events import KVEvent
 from engine.runtime.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from engine.kv_event_publisher import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +61,18 @@ class LLMEngine:
     The cache auditor (engine/audit/auditor.py) runs inside step(): after the model step, with the
     token budget the step left. has_unfinished_requests() stays True while audits are queued,
     so a driver that steps until it is False also finishes them.
+
+    KV events (config.kv_events_endpoint; off by default): the prefix cache appends its events
+    to a list during the step; at the end of the step they go to the publisher as one batch
+    (a queue put: the publisher thread encodes and sends). close() stops the publisher.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
         self.model_info: ModelInfo = self.runner.model_info
+        self._kv_events: list[KVEvent] = []  # this step's, until _publish hands them over
+        self.kv_event_publisher = self._build_kv_event_publisher()
         self.kv_cache_manager = self._build_kv_cache_manager()
         self.scheduler = self._build_scheduler()
         self.auditor = Auditor(config, self.runner, self.kv_cache_manager, self.scheduler.get_seq)
@@ -70,9 +81,27 @@ class LLMEngine:
         self._num_steps = 0
         self.latest_stats = self._snapshot(None)
 
+    def _build_kv_event_publisher(self) -> KVEventPublisher | None:
+        if not self.config.kv_events_endpoint:
+            return None  # off: zmq is not even imported
+        from engine.kv_event_publisher import KVEventPublisher
+
+        if not self.config.enable_prefix_cache:
+            logger.warning("KV events are on but the prefix cache is off: nothing to publish")
+        publisher = KVEventPublisher(
+            self.config.kv_events_endpoint,
+            topic=self.config.kv_events_topic,
+            queue_size=self.config.kv_events_queue_size,
+        )
+        logger.info("publishing KV events on %s", publisher.endpoint)
+        return publisher
+
     def _build_kv_cache_manager(self) -> KVCacheManager:
         pool = BlockPool(self.runner.num_kv_blocks, self.runner.block_size)
-        return KVCacheManager(pool, enable_prefix_cache=self.config.enable_prefix_cache)
+        sink = self._kv_events.append if self.kv_event_publisher is not None else None
+        return KVCacheManager(
+            pool, enable_prefix_cache=self.config.enable_prefix_cache, kv_event_sink=sink
+        )
 
     def _build_scheduler(self) -> Scheduler:
         return Scheduler(
@@ -170,6 +199,25 @@ class LLMEngine:
         logger.warning("fault injected: %s", report.detail)
         return report
 
+    def kv_block_hashes(self) -> list[int]:
+        """The KV event hash of every cached block, sorted (between steps). The events behind
+        it are queued first, so a subscriber that applied every event holds this set. Raises
+        KVEventsDisabled unless config.kv_events_endpoint is set."""
+        if self.kv_event_publisher is None:
+            raise KVEventsDisabled(
+                "KV events are disabled; start the engine with kv_events_endpoint "
+                "(kvshare serve --kv-events-endpoint tcp://127.0.0.1:5557)"
+            )
+        self._flush_kv_events()
+        return self.kv_cache_manager.cached_block_hashes()
+
+    def close(self) -> None:
+        """Stop what runs beside the engine (the KV event publisher, after sending what is
+        queued). Safe to call again."""
+        if self.kv_event_publisher is not None:
+            self._flush_kv_events()
+            self.kv_event_publisher.close()
+
     # -- offline convenience ------------------------------------------------------------
     def generate(
         self,
@@ -212,7 +260,15 @@ class LLMEngine:
     def _publish(self, step: StepSample | None) -> None:
         """End of a step: replace latest_stats by a fresh snapshot (O(1) in pool size)."""
         self._num_steps += step is not None
+        if self._kv_events:
+            self._flush_kv_events()
         self.latest_stats = self._snapshot(step)
+
+    def _flush_kv_events(self) -> None:
+        """Hand the events recorded so far to the publisher as one batch."""
+        if self._kv_events and self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(self._kv_events.copy())
+            self._kv_events.clear()  # the same list: the cache's sink is its append
 
     def _snapshot(self, step: StepSample | None) -> EngineStats:
         audits = self.auditor.counters
@@ -226,7 +282,17 @@ class LLMEngine:
             num_steps=self._num_steps,
             step=step,
             audit_max_abs_diffs=tuple(self.auditor.drain_recent_max_abs_diffs()),
+            **self._kv_event_counters(),
         )
+
+    def _kv_event_counters(self) -> dict[str, int]:
+        publisher = self.kv_event_publisher
+        if publisher is None:
+            return {}
+        return {
+            "num_kv_events_published": publisher.num_published_events,
+            "num_kv_events_dropped": publisher.num_dropped_events,
+        }
 
 
 def _accumulate(result: GenerationResult, output: RequestOutput) -> None:

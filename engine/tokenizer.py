@@ -176,32 +176,57 @@ class Tokenizer:
             raise ChatTemplateError(f"the chat template does not compile: {e}") from e
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
-        """The prompt text the chat template makes of `messages` (keys with None dropped)."""
+        """The prompt text the chat template makes of `messages` (keys with None dropped).
+
+        continue_final_message: the text ends right after the last message's content, so that
+        the closing tokens the template writes after it are cut and generation continues that
+        message (transformers does the same: it cuts at the last occurrence of the content).
+        """
         if not messages:
             raise ChatTemplateError("messages must not be empty")
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return self._compiled_template.render(
+            text = self._compiled_template.render(
                 messages=plain,
                 tools=None,
                 documents=None,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
                 **self.special_tokens,
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(str(e)) from e
+        return _open_final_message(text, plain[-1]) if continue_final_message else text
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Token ids of the rendered conversation.
 
         The template already writes every special token it wants (BOS included), so the text
         is encoded without adding special tokens again, as transformers does.
         """
-        return self.encode(self.render_chat(messages, add_generation_prompt), False)
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message)
+        return self.encode(text, False)
+
+
+def _open_final_message(text: str, final_message: Mapping[str, Any]) -> str:
+    """`text` cut right after the final message's (stripped) content."""
+    content = final_message.get("content")
+    content = content.strip() if isinstance(content, str) else ""
+    if not content:
+        raise ChatTemplateError("continue_final_message needs a final message with content")
+    end = text.rfind(content)
+    if end == -1:
+        raise ChatTemplateError("the chat template does not write the final message's content")
+    return text[: end + len(content)]
 
 
 def _raise_exception(message: str) -> None:
@@ -227,8 +252,9 @@ class IncrementalDetokenizer:
     Contract:
       - feed() returns only text that is final: never a partial UTF-8 char (held while the
         decoded tail ends in U+FFFD) and never text that could still grow into a stop string.
-      - When a stop string appears, the output is cut right before it, `stop_string` names
-        it and every later feed() returns "". The caller should stop the choice.
+      - When a stop string appears, the output is cut right before it (right after it with
+        include_stop), `stop_string` names it and every later feed() returns "". The caller
+        should stop the choice.
       - finish() flushes the held text when the choice ends for another reason.
     Decoding is incremental: each token decodes a short window [prefix_offset:] of ids, so
     the work per token does not grow with the output length.
@@ -240,10 +266,12 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._stop = tuple(s for s in stop if s)
         self._skip_special_tokens = skip_special_tokens
+        self._include_stop = include_stop
         self._token_ids = list(prompt_token_ids[-_NUM_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
@@ -313,7 +341,8 @@ class IncrementalDetokenizer:
         open_start = None if final else self._earliest_open_start()
         if match is not None and (open_start is None or match <= open_start):
             self.stop_string = stop
-            return self._release(self._held[:match], keep="")
+            end = match + len(stop) if self._include_stop and stop is not None else match
+            return self._release(self._held[:end], keep="")
         split = len(self._held) if open_start is None else open_start
         return self._release(self._held[:split], keep=self._held[split:])
 

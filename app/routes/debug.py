@@ -1,9 +1,14 @@
 """POST /debug/faults: fault drills for the prefix-cache auditor (off by default).
+GET /debug/kv_blocks: the KV event hashes of every cached block (only with KV events on).
 
 Only a server started with --enable-fault-injection (engine key enable_fault_injection) acts
 on it; any other answers 403 with an OpenAI error body. With API keys configured the route
 needs one, like /v1/. The engine's refusals (FaultInjectionDisabled, InvalidFaultTarget,
 EngineNotReady) become statuses through app/errors.py's ENGINE_ERRORS.
+
+/debug/kv_blocks is the reference a KV event subscriber can check its rebuilt set against
+(engine/kv_event_publisher.py); a server without kv_events_endpoint answers 404 with an OpenAI
+error body. It is read-only, and keyed like /debug/faults.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.errors import APIError
 from app.routes.deps import State
 from engine.core.errors import FaultInjectionDisabled
 from engine.core.protocol import FAULT_KINDS
@@ -54,3 +60,19 @@ async def inject_fault(body: FaultRequest, state: State) -> FaultResponse:
     report = await state.engine.inject_fault(body.kind, body.block_id, body.other_block_id)
     logger.warning("fault drill: %s", report.detail)
     return FaultResponse(kind=report.kind, block_ids=report.block_ids, detail=report.detail)
+
+
+class KVBlocksResponse(BaseModel):
+    block_hashes: list[int]  # sorted; unsigned 64-bit, as in the events
+
+
+def require_kv_events(state: State) -> None:
+    if not state.settings.engine.kv_events_endpoint:
+        message = "KV events are disabled; start the server with --kv-events-endpoint."
+        raise APIError(404, message, code="kv_events_disabled")
+
+
+@router.get("/debug/kv_blocks", dependencies=[Depends(require_kv_events)])
+async def list_kv_blocks(state: State) -> KVBlocksResponse:
+    state.ready_serving()  # 503 while loading or draining
+    return KVBlocksResponse(block_hashes=await state.engine.kv_block_hashes())

@@ -46,8 +46,10 @@ def panel(
     kind: str = "timeseries",
     stacked: bool = False,
     thresholds: list[tuple[float, str]] | None = None,
+    text_mode: str = "auto",
 ) -> dict:
-    """One panel; `targets` are (PromQL, legend) pairs. Its gridPos is set by `layout`."""
+    """One panel; `targets` are (PromQL, legend) pairs. Its gridPos is set by `layout`.
+    `text_mode` is a stat panel's: "name" shows only the legend (for info metrics)."""
     steps = [{"color": "green", "value": None}]
     steps += [{"color": color, "value": value} for value, color in thresholds or []]
     custom = {"stacking": {"mode": "normal" if stacked else "none", "group": "A"}}
@@ -68,7 +70,8 @@ def panel(
         },
         "options": {"legend": {"displayMode": "list", "placement": "bottom"}}
         if kind == "timeseries"
-        else {"reduceOptions": {"calcs": ["lastNotNull"]}, "colorMode": "background"},
+        else {"reduceOptions": {"calcs": ["lastNotNull"]}, "colorMode": "background",
+              "textMode": text_mode},
         "targets": [
             {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend,
              "datasource": DATASOURCE}
@@ -154,6 +157,32 @@ def traffic_panels() -> list[dict]:
     ]  # fmt: skip
 
 
+def router_panels() -> list[dict]:
+    """Per replica, the figures an endpoint picker compares (deploy/k8s/gateway/)."""
+
+    def per_replica(selector: str) -> str:
+        return f"sum by (instance) ({selector})"
+
+    usage = per_replica(f"kvshare_kv_usage_ratio{{{SEL}}}")
+    waiting = per_replica(f'kvshare_requests{{{SEL},state="waiting"}}')
+    running = per_replica(f'kvshare_requests{{{SEL},state="running"}}')
+    pool = f"max by (instance, block_size, num_gpu_blocks) (kvshare_cache_config_info{{{SEL}}})"
+    return [
+        panel("KV usage per replica", [(usage, "{{instance}}")], "percentunit",
+              "Blocks held by requests / all blocks; cached-only blocks count as free (they are "
+              "evicted on demand). The picker sends work where this is low.",
+              thresholds=[(0.95, "red")]),
+        panel("Queue per replica", [(waiting, "{{instance}} waiting"),
+                                    (running, "{{instance}} running")],
+              description="Waiting and running requests: the picker's queue and load."),
+        panel("KV pool per replica",
+              [(pool, "{{instance}}: {{num_gpu_blocks}} blocks of {{block_size}} tokens")],
+              kind="stat", text_mode="name",
+              description="kvshare_cache_config_info: what the picker's prefix scorer sizes "
+                          "itself by."),
+    ]  # fmt: skip
+
+
 def layout(rows: list[tuple[str, list[dict]]], width: int = 8, height: int = 8) -> list[dict]:
     """Rows of panels, three per line; ids and gridPos assigned in reading order."""
     panels, y, next_id = [], 0, 1
@@ -192,6 +221,7 @@ def build_dashboard() -> dict:
         ("KV memory", memory_panels()),
         ("Latency", latency_panels()),
         ("Traffic and scheduling", traffic_panels()),
+        ("Router view: what the endpoint picker compares", router_panels()),
     ]
     return {
         "uid": "kvshare",

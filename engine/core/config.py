@@ -59,6 +59,11 @@ class EngineConfig:
     audit_tolerance_bfloat16: float = 0.25
     audit_tolerance_float16: float = 0.1
     enable_fault_injection: bool = False  # drills only: corrupt / mis-map cached blocks
+    # KV cache events (engine/kv_event_publisher.py): a ZMQ PUB endpoint to bind, e.g.
+    # "tcp://127.0.0.1:5557"; None or "" keeps them off (no socket, no hashing).
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = "kvshare"  # the first frame of every message
+    kv_events_queue_size: int = 10_000  # event batches (steps) queued for the publisher thread
 
     def __post_init__(self) -> None:
         checks = [
@@ -95,6 +100,12 @@ class EngineConfig:
                 (getattr(self, name) > 0.0, name, "must be > 0")
                 for name in (f"audit_tolerance_{dtype}" for dtype in TORCH_DTYPES)
             ),
+            (
+                not self.kv_events_endpoint or "://" in self.kv_events_endpoint,
+                "kv_events_endpoint",
+                "must be a ZMQ endpoint such as tcp://127.0.0.1:5557",
+            ),
+            (self.kv_events_queue_size >= 1, "kv_events_queue_size", "must be >= 1"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -55,6 +55,10 @@ class EngineNotReady(KVShareError, RuntimeError):
     """The engine is not loaded or not running, so it cannot take this command."""
 
 
+class KVEventsDisabled(KVShareError):
+    """A KV event query (the block-hash listing) on an engine without KV events."""
+
+
 class ChoiceNotForked(KVShareError):
     """An abort of one choice of an n-choice request whose choices have not forked yet (the
     caller aborts the whole request instead)."""

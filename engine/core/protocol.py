@@ -107,6 +107,8 @@ class EngineStats:
     num_audits_dropped: int = 0
     num_quarantined_blocks: int = 0
     num_write_violations: int = 0  # slot mappings that targeted a shared / cached block
+    num_kv_events_published: int = 0  # KV cache events sent (kv_events_endpoint set)
+    num_kv_events_dropped: int = 0  # KV cache events dropped: the publisher's queue was full
     # What the step that published this snapshot did: each snapshot is delivered once, so a
     # reader histograms these without double counting.
     num_steps: int = 0  # model steps so far (a sequence number)
@@ -184,6 +186,11 @@ class EngineClient(Protocol):
         ...
 
     async def shutdown(self) -> None: ...
+
+    async def kv_block_hashes(self) -> list[int]:
+        """The hashes of every block the prefix cache holds, sorted, as the KV events name
+        them (GET /debug/kv_blocks). Raises KVEventsDisabled unless KV events are on."""
+        ...
 
     async def inject_fault(
         self, kind: str, block_id: int | None = None, other_block_id: int | None = None

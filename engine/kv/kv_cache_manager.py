@@ -23,9 +23,11 @@ from collections import Counter
 from collections.abc import Iterable
 
 from engine.core.batch import BlockCopy
+from engine.core.errors import KVEventsDisabled
 from engine.core.intmath import cdiv
 from engine.core.sequence import Sequence
 from engine.kv.block_pool import BlockPool, BlockUsage
+from engine.kv.kv_events import KVEventSink
 from engine.kv.radix_cache import MatchResult, RadixCache, RadixNode
 
 
@@ -51,17 +53,25 @@ class KVCacheManager:
     With enable_prefix_cache, a RadixCache over the same pool (`prefix_cache`) shares KV
     between sequences of one namespace; when free blocks run short, allocation evicts
     unlocked cached blocks (LRU) before it reports failure. Without it, prefix_cache is None
-    and admit() reuses nothing.
+    and admit() reuses nothing. kv_event_sink (with the cache on) receives the cache's KV events
+    (engine/kv/kv_events.py) on the engine thread; None (the default) records nothing.
 
     `pool` and `prefix_cache` are exposed for tests and checks; the scheduler, admission and
     the auditor use the methods below only. Every figure here is O(1) or O(live sequences):
     none walks the pool or the tree (check_integrity() does, to recount them).
     """
 
-    def __init__(self, block_pool: BlockPool, enable_prefix_cache: bool = False) -> None:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        enable_prefix_cache: bool = False,
+        kv_event_sink: KVEventSink | None = None,
+    ) -> None:
         self.pool = block_pool
         self.block_size = block_pool.block_size
-        self.prefix_cache = RadixCache(block_pool) if enable_prefix_cache else None
+        self.prefix_cache = (
+            RadixCache(block_pool, event_sink=kv_event_sink) if enable_prefix_cache else None
+        )
         self.num_cow_copies = 0  # copy-on-write copies, partial prefix blocks included
         self._pending_copies: list[BlockCopy] = []
         self._locked_nodes: dict[int, RadixNode] = {}  # seq_id -> node locked at admission
@@ -96,6 +106,16 @@ class KVCacheManager:
     def cached_block_ids(self) -> list[int]:
         """Every block the prefix cache holds, sorted ([] with the cache off)."""
         return self.prefix_cache.tree_block_ids() if self.prefix_cache is not None else []
+
+    def cached_block_hashes(self) -> list[int]:
+        """The KV event hash of every cached block, sorted: what a subscriber that applied
+        every event holds. A walk of the tree (a debug listing, not a per-step figure); [] with
+        the cache off; raises KVEventsDisabled for a cache built without a kv_event_sink."""
+        if self.prefix_cache is None:
+            return []
+        if not self.prefix_cache.is_recording_events:
+            raise KVEventsDisabled("KV events are off: no block hashes are kept")
+        return sorted(self.prefix_cache.block_hashes().values())
 
     def recent_cached_path(self) -> list[int]:
         """The blocks of the most recently used cached path, from position 0."""

@@ -23,6 +23,11 @@ node is blocked while it has a pinned block, an own lock or a blocked child. evi
 the blocks after the last pinned one of every node without a lock and without a blocked
 child, so that is the evictable count; a change walks up only while a node's blocked state
 flips. check_integrity() recounts both from scratch.
+
+KV events (engine/kv/kv_events.py): built with an event_sink, the cache hashes every block it
+takes and reports BlockStored on insert, BlockRemoved on evict / invalidate / drop_namespace
+(one event per call) and AllBlocksCleared on reset. Without a sink (the default) it hashes
+nothing and reports nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from engine.kv.block_pool import BlockPool
+from engine.kv.kv_events import KVEventRecorder, KVEventSink, chain_block_hashes, namespace_seed
 
 Namespace = Hashable
 
@@ -109,9 +115,10 @@ class RadixCache:
       pressure evict(n): frees only blocks that no sequence holds and no lock covers.
     """
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, event_sink: KVEventSink | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
+        self._events = None if event_sink is None else KVEventRecorder(event_sink, self.block_size)
         self._roots: dict[Namespace, RadixNode] = {}
         self._node_of_block: dict[int, RadixNode] = {}
         self._index_of_block: dict[int, int] = {}  # block -> its index in its node's edge
@@ -217,6 +224,11 @@ class RadixCache:
             child = node.children.get(tuple(token_ids[index * bs : (index + 1) * bs]))
             if child is None:
                 self._add_leaf(node, token_ids[index * bs :], block_ids[index:])
+                if self._events is not None:
+                    parent_block_id = None if node.is_root else node.block_ids[-1]
+                    self._events.stored(
+                        namespace, parent_block_id, token_ids[index * bs :], block_ids[index:]
+                    )
                 return len(block_ids) - index
             num_blocks = _common_prefix_len(child.token_ids, token_ids[index * bs :]) // bs
             index += num_blocks
@@ -380,6 +392,7 @@ class RadixCache:
             freed.append(block_id)
             self._offer(next_candidate)  # the same leaf, or a parent now a leaf
         self.num_evictions += len(freed)
+        self._flush_removed()
         return freed
 
     def _is_candidate(self, node: RadixNode) -> bool:
@@ -446,6 +459,7 @@ class RadixCache:
         self._detach(node)
         dropped = self._release_subtree(node)
         self.num_invalidated_blocks += len(dropped)
+        self._flush_removed()
         return dropped
 
     def drop_namespace(self, namespace: Namespace) -> list[int]:
@@ -454,6 +468,11 @@ class RadixCache:
         A later insert() into the same namespace starts a new tree, so the caller stops
         inserting for sequences of the dropped namespace.
         """
+        dropped = self._drop_tree(namespace)
+        self._flush_removed()
+        return dropped
+
+    def _drop_tree(self, namespace: Namespace) -> list[int]:
         root = self._roots.pop(namespace, None)
         if root is None:
             return []
@@ -465,8 +484,10 @@ class RadixCache:
 
     def reset(self) -> list[int]:
         """Drop every namespace; returns all block ids the tree released."""
-        released = [b for namespace in list(self._roots) for b in self.drop_namespace(namespace)]
+        released = [b for namespace in list(self._roots) for b in self._drop_tree(namespace)]
         self._heap.clear()  # every entry is stale now; keeps no detached node alive
+        if self._events is not None:
+            self._events.cleared()
         return released
 
     def _release_subtree(self, top: RadixNode) -> list[int]:
@@ -483,8 +504,14 @@ class RadixCache:
         """Drop the tree's reference; the caller takes the block off its edge and recounts."""
         del self._node_of_block[block_id]
         del self._index_of_block[block_id]
+        if self._events is not None:
+            self._events.released(block_id)
         self.pool.set_tree_owned(block_id, False)
         self.pool.decref(block_id)
+
+    def _flush_removed(self) -> None:
+        if self._events is not None:
+            self._events.flush_removed()
 
     def _detach(self, node: RadixNode) -> RadixNode:
         """Unhook node from its parent, moving its locks off the ancestors; returns parent."""
@@ -524,6 +551,25 @@ class RadixCache:
         return sorted(self._node_of_block)
 
     @property
+    def is_recording_events(self) -> bool:
+        return self._events is not None
+
+    def block_hashes(self) -> dict[int, int]:
+        """block id -> KV event hash of every tree block, recomputed by walking each tree from
+        its namespace seed (independent of what the events recorded). Needs an event sink."""
+        assert self._events is not None, "block hashes exist only with KV events on"
+        hashes: dict[int, int] = {}
+        for namespace, root in self._roots.items():
+            seed = namespace_seed(namespace)
+            stack = [(child, seed) for child in root.children.values()]
+            while stack:
+                node, parent_hash = stack.pop()
+                chain = chain_block_hashes(parent_hash, node.token_ids, self.block_size)
+                hashes.update(zip(node.block_ids, chain, strict=True))
+                stack.extend((child, chain[-1]) for child in node.children.values())
+        return hashes
+
+    @property
     def num_tree_blocks(self) -> int:
         return len(self._node_of_block)
 
@@ -545,7 +591,8 @@ class RadixCache:
 
         Every tree block is tree-owned with refcount >= 1 and appears once in all trees;
         every tree-owned pool block is in the tree; edges are whole blocks; children are
-        keyed by their first block and point back to their parent; lock counts add up.
+        keyed by their first block and point back to their parent; lock counts add up; with KV
+        events, the hashes recorded for the events equal a recompute from the tree.
         """
         seen: set[int] = set()
         for root in self._roots.values():
@@ -563,6 +610,10 @@ class RadixCache:
         assert self._num_evictable == num_walked, (
             f"evictable count {self._num_evictable} != {num_walked} by walking the tree"
         )
+        if self._events is not None:
+            assert self._events.recorded_hashes() == self.block_hashes(), (
+                "KV event hashes out of sync with the tree"
+            )
         queued = {node.node_id for a, _, node in self._heap if self._is_current(a, node)}
         for root in self._roots.values():
             for node in self._preorder(root):

@@ -10,6 +10,7 @@ from helpers import chat_body
 
 from app.metrics import ServerMetrics
 from engine.core.protocol import EngineStats, StepSample
+from tests.deploy.referenced_metrics import referenced_metrics
 
 pytestmark = pytest.mark.anyio
 
@@ -29,6 +30,8 @@ REQUIRED = [
     ("kvshare_kv_cow_copies_total", "counter"),
     ("kvshare_kv_evictions_total", "counter"),
     ("kvshare_kv_blocks_leaked", "gauge"),
+    ("kvshare_kv_usage_ratio", "gauge"),
+    ("kvshare_cache_config_info", "gauge"),
     ("kvshare_requests", "gauge"),
     ("kvshare_requests_total", "counter"),
     ("kvshare_preemptions_total", "counter"),
@@ -97,6 +100,58 @@ async def test_engine_stats_pushed_per_step_reach_the_scrape(client, engine: Fak
     again = (await client.get("/metrics")).text  # a scrape observes nothing by itself
     assert sample(again, "kvshare_step_duration_seconds_count") == 2
     assert sample(again, "kvshare_cache_audit_max_abs_diff_count") == 1
+
+
+async def test_router_gauges_follow_the_pushed_snapshot(client, engine: FakeEngine) -> None:
+    text = (await client.get("/metrics")).text
+    assert sample(text, "kvshare_kv_usage_ratio") == 0  # no pool yet
+    assert "kvshare_cache_config_info{" not in text
+    # 10 blocks: 2 free and 3 cached (evictable) are available; 4 private + 1 shared are held.
+    engine.publish(
+        EngineStats(
+            num_total_blocks=10,
+            num_free_blocks=2,
+            num_private_blocks=4,
+            num_shared_blocks=1,
+            num_cached_blocks=3,
+            block_size=32,
+        )
+    )
+    text = (await client.get("/metrics")).text
+    assert sample(text, "kvshare_kv_usage_ratio") == 0.5
+    assert sample(text, "kvshare_cache_config_info", 'block_size="32",num_gpu_blocks="10"') == 1
+    engine.publish(EngineStats(num_total_blocks=10, num_free_blocks=0, num_private_blocks=10))
+    assert sample((await client.get("/metrics")).text, "kvshare_kv_usage_ratio") == 1
+
+
+def labelled_samples(text: str) -> set[tuple[str, frozenset[tuple[str, str]]]]:
+    samples = set()
+    for name, labels in re.findall(r"^(\w+)\{([^}]*)\} ", text, re.MULTILINE):
+        samples.add((name, frozenset(re.findall(r'(\w+)="([^"]*)"', labels))))
+    return samples
+
+
+async def test_every_metric_the_examples_name_is_exported(client, engine: FakeEngine) -> None:
+    """Acceptance: the endpoint picker's config and flags, the dashboard and the README name only
+    series the app exports (tests/deploy/referenced_metrics.py reads them)."""
+    engine.publish(EngineStats(num_running=1, num_waiting=1, num_total_blocks=8, num_free_blocks=8))
+    text = (await client.get("/metrics")).text
+    families = set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))
+    samples = labelled_samples(text)
+    refs = referenced_metrics()
+    sources = {ref.source.split(" [")[0].split(":")[0] for ref in refs}
+    assert {"dashboard", "README metrics table", "README More than one replica"} <= sources
+    assert any(ref.source.startswith("epp-config.yaml") for ref in refs)
+    assert any("flag" in ref.source for ref in refs)
+    missing = [ref for ref in refs if ref.name not in families]
+    assert missing == []
+    unmatched = [
+        ref
+        for ref in refs
+        if ref.labels
+        and not any(n == ref.name and set(ref.labels) <= labels for n, labels in samples)
+    ]
+    assert unmatched == []
 
 
 async def test_request_metrics_are_observed(client) -> None:

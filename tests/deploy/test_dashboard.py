@@ -41,6 +41,8 @@ REQUIRED_METRICS = {
     "kvshare_kv_cow_copies_total": "counter",
     "kvshare_kv_evictions_total": "counter",
     "kvshare_kv_blocks_leaked": "gauge",
+    "kvshare_kv_usage_ratio": "gauge",  # for routers: README "More than one replica"
+    "kvshare_cache_config_info": "gauge",
     "kvshare_requests": "gauge",
     "kvshare_requests_total": "counter",
     "kvshare_preemptions_total": "counter",

@@ -176,7 +176,7 @@ def test_shared_prefix_shares_one_system_prompt_and_asks_different_questions():
 
 
 def test_workloads_are_deterministic_per_seed():
-    for name in ("shared-prefix", "multi-turn", "unique", "mixed-length"):
+    for name in ("shared-prefix", "multi-turn", "unique", "mixed-length", "many-system-prompts"):
         assert build_workload(name, 9, 32, seed=1) == build_workload(name, 9, 32, seed=1)
         assert build_workload(name, 9, 32, seed=1) != build_workload(name, 9, 32, seed=2)
 
@@ -205,6 +205,20 @@ def test_mixed_length_stays_within_bounds():
     assert all(8 <= m <= 64 for m in max_tokens)
     assert len(set(num_words)) > 10
     assert len(set(max_tokens)) > 10
+
+
+def test_many_system_prompts_shares_each_of_eight_prompts_among_several_users():
+    conversations = build_workload("many-system-prompts", 24, max_tokens=8, seed=0)
+    assert sorted(c.conversation_id for c in conversations) == list(range(24))
+    by_prompt: dict[str, list[int]] = {}
+    for c in conversations:
+        by_prompt.setdefault(c.system_prompt, []).append(c.conversation_id)
+    assert sorted(len(ids) for ids in by_prompt.values()) == [3] * 8
+    assert all(len(prompt.split()) > SHARED_PREFIX_WORDS for prompt in by_prompt)
+    assert len({prompt.split()[0] for prompt in by_prompt}) == 8  # distinct from the first word
+    assert len({c.user_turns[0] for c in conversations}) == 24
+    arrival = [c.conversation_id for c in conversations]
+    assert arrival != sorted(arrival)  # shuffled: alternating routers get no free affinity
 
 
 @pytest.mark.parametrize(("name", "num"), [("nope", 1), ("unique", 0)])

@@ -7,9 +7,9 @@ import pytest
 from engine.core.sequence import make_namespace
 from engine.kv.block_pool import BlockPool
 from engine.kv.radix_cache import MatchResult, RadixCache
+from tests.engine.kv.radix_helpers import NS, cached
 
 BS = 4  # block_size: small so that block boundaries are easy to see
-NS = make_namespace("w1")
 ZWSP = 8203  # a token id standing in for an invisible zero-width space
 
 
@@ -21,16 +21,6 @@ def pool() -> BlockPool:
 @pytest.fixture
 def cache(pool: BlockPool) -> RadixCache:
     return RadixCache(pool)
-
-
-def cached(cache: RadixCache, tokens: list[int], namespace=NS) -> list[int]:
-    """Allocate blocks for tokens' full blocks, insert them, then let the sequence go."""
-    block_ids = [cache.pool.allocate() for _ in range(len(tokens) // BS)]
-    cache.insert(namespace, tokens[: len(block_ids) * BS], block_ids)
-    for block_id in block_ids:
-        cache.pool.decref(block_id)
-    cache.check_integrity()
-    return block_ids
 
 
 def summary(result: MatchResult) -> tuple:

@@ -1,0 +1,431 @@
+"""Two-replica drill: kvshare replicas behind the SGLang Model Gateway, against one replica alone.
+
+Starts two `kvshare serve` replicas (--num-threads 1 each) on free loopback ports and the SGLang
+Model Gateway (sglang-router, installed into this venv when missing) in front of them, first
+with --policy cache_aware, then with --policy round_robin; and one replica alone with
+--num-threads 2 (the same cores in total) as the baseline. Through each of them it runs the
+multi-turn and many-system-prompts workloads of benchmarks/serving.py and reports, per policy
+and workload: the cluster-wide prefix-cache hit rate (sum over the replicas of the
+kvshare_prefix_cache_hits_total / kvshare_prefix_cache_queries_total deltas of their
+/metrics), TTFT p50/p99 and output tokens per second.
+
+    python benchmarks/replicas.py --out benchmarks/results/replicas.json
+
+Rounds interleave the three targets (cache_aware, round_robin, single) so that drift in the
+machine's load hits all of them alike. The replicas stay up across policies; every (round,
+target, workload) gets its own seed, so no run finds the prompts of an earlier one in the
+cache. Everything is bounded: few requests, short outputs, a time limit per run. It talks
+only to 127.0.0.1 and is never part of `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import serving  # benchmarks/serving.py: the project's serving client and workloads
+
+ROUTER_PACKAGE = "sglang-router"
+ROUTER_VERSION = "0.3.2"
+POLICIES = ("cache_aware", "round_robin")
+TARGETS = (*POLICIES, "single")
+WORKLOADS = ("multi-turn", "many-system-prompts")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HITS = "kvshare_prefix_cache_hits_total"
+QUERIES = "kvshare_prefix_cache_queries_total"
+SGLANG_PROBES = ("/server_info", "/get_server_info", "/model_info", "/get_model_info")
+
+
+@dataclass
+class DrillConfig:
+    num_requests: dict[str, int]  # per workload
+    concurrency: int = 4
+    max_tokens: int = 16
+    rounds: int = 2
+    timeout_s: float = 150.0  # per (round, target, workload) run
+    startup_timeout_s: float = 300.0
+    seed: int = 0
+    config_path: str = "config/cpu.yaml"
+    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvshare-drill-")))
+
+
+@dataclass
+class Run:
+    """One workload through one target in one round."""
+
+    round: int
+    target: str
+    workload: str
+    seed: int
+    hits: float
+    queries: float
+    per_replica_queries: list[float]
+    summary: dict
+    ttft_s: list[float] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ensure_router() -> None:
+    """Installs sglang-router==0.3.2 into this interpreter's environment when it is missing."""
+    check = "import importlib.metadata as m; print(m.version('sglang-router'))"
+    found = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    if found.returncode == 0 and found.stdout.strip() == ROUTER_VERSION:
+        return
+    print(f"installing {ROUTER_PACKAGE}=={ROUTER_VERSION} into {sys.prefix}", file=sys.stderr)
+    pip = [sys.executable, "-m", "pip", "install", "-q", f"{ROUTER_PACKAGE}=={ROUTER_VERSION}"]
+    subprocess.run(pip, check=True)
+
+
+@contextlib.contextmanager
+def process(argv: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
+    """A child process logging to log_path; terminated (then killed) on the way out."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("w") as log:
+        child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        try:
+            yield child
+        finally:
+            child.terminate()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def replica_argv(port: int, num_threads: int, config_path: str) -> list[str]:
+    kvshare = Path(sys.executable).parent / "kvshare"
+    return [
+        str(kvshare),
+        "serve",
+        "--config",
+        config_path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num-threads",
+        str(num_threads),
+    ]
+
+
+def gateway_argv(port: int, worker_urls: list[str], policy: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--policy",
+        policy,
+        "--log-level",
+        "warn",
+        "--worker-urls",
+        *worker_urls,
+    ]
+
+
+def wait_until(check, timeout_s: float, what: str, child: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {child.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if check():
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} not ready after {timeout_s:.0f}s")
+
+
+def replica_is_ready(url: str) -> bool:
+    return httpx.get(f"{url}/ready", timeout=5, trust_env=False).status_code == 200
+
+
+def gateway_serves(url: str, model: str) -> bool:
+    """A one-token chat through the gateway succeeds (its workers are registered)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60, trust_env=False)
+    return response.status_code == 200
+
+
+# ---------------------------------------------------------------- measuring
+
+
+def prefix_counters(url: str) -> tuple[float, float]:
+    """(hits, queries): the replica's prefix-cache counters, summed over label sets."""
+    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    totals = {HITS: 0.0, QUERIES: 0.0}
+    for line in text.splitlines():
+        name, _, rest = line.partition(" ")
+        name = name.split("{", 1)[0]
+        if name in totals:
+            totals[name] += float(rest.split()[-1] if "}" in line else rest)
+    return totals[HITS], totals[QUERIES]
+
+
+def run_workload(
+    drill: DrillConfig, base_url: str, model: str, workload: str, seed: int
+) -> tuple[serving.Summary, list[serving.RequestResult]]:
+    config = serving.BenchmarkConfig(
+        base_url=f"{base_url}/v1",
+        model=model,
+        workload=workload,
+        num_requests=drill.num_requests[workload],
+        concurrency=drill.concurrency,
+        max_tokens=drill.max_tokens,
+        seed=seed,
+        timeout_s=drill.timeout_s,
+    )
+    results, duration_s = asyncio.run(serving.run_benchmark(config))
+    return serving.summarize(results, workload, config.num_requests, duration_s), results
+
+
+def measure(
+    drill: DrillConfig,
+    target: tuple[str, str, list[str]],
+    model: str,
+    workload: str,
+    round_index: int,
+) -> Run:
+    """Runs one workload through target (name, base URL, replica URLs) and reads the deltas."""
+    name, base_url, replica_urls = target
+    seed = (
+        drill.seed + 1000 * (round_index + 1) + 10 * TARGETS.index(name) + WORKLOADS.index(workload)
+    )
+    before = [prefix_counters(url) for url in replica_urls]
+    summary, results = run_workload(drill, base_url, model, workload, seed)
+    after = [prefix_counters(url) for url in replica_urls]
+    deltas = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+    ttft = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
+    return Run(
+        round=round_index,
+        target=name,
+        workload=workload,
+        seed=seed,
+        hits=sum(d[0] for d in deltas),
+        queries=sum(d[1] for d in deltas),
+        per_replica_queries=[d[1] for d in deltas],
+        summary=asdict(summary),
+        ttft_s=ttft,
+    )
+
+
+def aggregate(runs: list[Run]) -> list[dict]:
+    """One row per (target, workload), pooled over rounds."""
+    rows = []
+    for workload in WORKLOADS:
+        for target in TARGETS:
+            mine = [r for r in runs if r.target == target and r.workload == workload]
+            if not mine:
+                continue
+            hits, queries = sum(r.hits for r in mine), sum(r.queries for r in mine)
+            ttft = [t for r in mine for t in r.ttft_s]
+            output_tokens = sum(r.summary["output_tokens"] for r in mine)
+            duration_s = sum(r.summary["duration_s"] for r in mine)
+            rows.append(
+                {
+                    "workload": workload,
+                    "target": target,
+                    "rounds": len(mine),
+                    "completed": sum(r.summary["completed"] for r in mine),
+                    "planned": sum(r.summary["num_requests"] for r in mine),
+                    "hit_rate": hits / queries if queries else 0.0,
+                    "ttft_p50_s": serving.percentile(ttft, 50) if ttft else None,
+                    "ttft_p99_s": serving.percentile(ttft, 99) if ttft else None,
+                    "output_tok_s": output_tokens / duration_s if duration_s else 0.0,
+                    "replica_query_split": [
+                        sum(r.per_replica_queries[i] for r in mine)
+                        for i in range(len(mine[0].per_replica_queries))
+                    ],
+                }
+            )
+    return rows
+
+
+def goal(rows: list[dict]) -> dict:
+    """Multi-turn: cache_aware >= 0.9x single's hit rate and >= 1.5x round_robin's."""
+    rate = {r["target"]: r["hit_rate"] for r in rows if r["workload"] == "multi-turn"}
+    vs_single = rate["cache_aware"] / rate["single"] if rate.get("single") else None
+    vs_rr = rate["cache_aware"] / rate["round_robin"] if rate.get("round_robin") else None
+    return {
+        "cache_aware_vs_single": vs_single,
+        "cache_aware_vs_round_robin": vs_rr,
+        "met": vs_single is not None and vs_rr is not None and vs_single >= 0.9 and vs_rr >= 1.5,
+    }
+
+
+def format_table(rows: list[dict], check: dict) -> str:
+    lines = [
+        "| workload | target | done | prefix hit rate | TTFT p50 (ms) | TTFT p99 (ms) "
+        "| output tok/s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        p50 = f"{1000 * r['ttft_p50_s']:.0f}" if r["ttft_p50_s"] is not None else "-"
+        p99 = f"{1000 * r['ttft_p99_s']:.0f}" if r["ttft_p99_s"] is not None else "-"
+        lines.append(
+            f"| {r['workload']} | {r['target']} | {r['completed']}/{r['planned']} | "
+            f"{r['hit_rate']:.3f} | {p50} | {p99} | {r['output_tok_s']:.1f} |"
+        )
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    lines.append("")
+    lines.append(
+        f"multi-turn hit rate, cache_aware vs single: {ratio(check['cache_aware_vs_single'])} "
+        f"(goal >= 0.9x); vs round_robin: {ratio(check['cache_aware_vs_round_robin'])} "
+        f"(goal >= 1.5x); goal {'met' if check['met'] else 'NOT met'}"
+    )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the drill
+
+
+def probes_seen(log_path: Path) -> dict[str, int]:
+    """How often the replica's access log shows each SGLang-only probe of the gateway."""
+    text = log_path.read_text(errors="replace") if log_path.is_file() else ""
+    return {path: len(re.findall(re.escape(path) + r"(?!\w)", text)) for path in SGLANG_PROBES}
+
+
+def start_replicas(drill: DrillConfig, stack: contextlib.ExitStack) -> list[str]:
+    """Replicas a and b (1 thread each) and the single baseline (2 threads); their URLs.
+
+    All three start at once (they load the model in parallel), then each is waited for.
+    """
+    started = []
+    for name, num_threads in (("replica-a", 1), ("replica-b", 1), ("single", 2)):
+        port = free_port()
+        argv = replica_argv(port, num_threads, drill.config_path)
+        child = stack.enter_context(process(argv, drill.log_dir / f"{name}.log"))
+        started.append((name, f"http://127.0.0.1:{port}", child))
+    for name, url, child in started:
+        wait_until(lambda u=url: replica_is_ready(u), drill.startup_timeout_s, name, child)
+    return [url for _, url, _ in started]
+
+
+def through_gateway(
+    drill: DrillConfig, policy: str, replica_urls: list[str], model: str, round_index: int
+) -> tuple[list[Run], dict]:
+    """Starts the gateway with `policy` in front of the replicas, runs every workload, stops it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = drill.log_dir / f"gateway-{policy}-{round_index}.log"
+    with process(gateway_argv(port, replica_urls, policy), log) as gateway:
+        wait_until(lambda: gateway_serves(url, model), drill.startup_timeout_s, policy, gateway)
+        listing = httpx.get(f"{url}/v1/models", timeout=10, trust_env=False).json()
+        target = (policy, url, replica_urls)
+        runs = [measure(drill, target, model, w, round_index) for w in WORKLOADS]
+    return runs, {"v1_models": listing}
+
+
+def run_drill(drill: DrillConfig) -> dict:
+    ensure_router()
+    runs: list[Run] = []
+    gateway_info: dict = {}
+    with contextlib.ExitStack() as stack:
+        *replica_urls, single_url = start_replicas(drill, stack)
+        models = httpx.get(f"{single_url}/v1/models", timeout=10, trust_env=False).json()
+        model = models["data"][0]["id"]
+        for round_index in range(drill.rounds):
+            for policy in POLICIES:
+                policy_runs, gateway_info[policy] = through_gateway(
+                    drill, policy, replica_urls, model, round_index
+                )
+                runs.extend(policy_runs)
+            single = ("single", single_url, [single_url])
+            runs.extend(measure(drill, single, model, w, round_index) for w in WORKLOADS)
+            print(f"round {round_index + 1}/{drill.rounds} done", file=sys.stderr)
+    rows = aggregate(runs)
+    gateway_info["sglang_probes_seen_by_replica_a"] = probes_seen(drill.log_dir / "replica-a.log")
+    return {
+        "config": {**asdict(drill), "log_dir": str(drill.log_dir)},
+        "model": model,
+        "router": f"{ROUTER_PACKAGE}=={ROUTER_VERSION}",
+        "rows": rows,
+        "goal": goal(rows),
+        "gateway": gateway_info,
+        "runs": [asdict(r) for r in runs],
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[DrillConfig, Path | None]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--multi-turn-requests", type=int, default=16, help="4 turns each")
+    parser.add_argument("--system-prompt-requests", type=int, default=24, help="8 prompts")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    parser.add_argument("--timeout", type=float, default=150.0, help="limit per run (s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", default="config/cpu.yaml", help="replica config")
+    parser.add_argument("--log-dir", type=Path, default=None, help="default: a new temp dir")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    counts = (args.multi_turn_requests, args.system_prompt_requests, args.concurrency)
+    if min(*counts, args.max_tokens, args.rounds) < 1 or args.timeout <= 0:
+        parser.error("counts, --max-tokens, --rounds and --timeout must be positive")
+    drill = DrillConfig(
+        num_requests={
+            "multi-turn": args.multi_turn_requests,
+            "many-system-prompts": args.system_prompt_requests,
+        },
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        rounds=args.rounds,
+        timeout_s=args.timeout,
+        seed=args.seed,
+        config_path=args.config,
+    )
+    if args.log_dir is not None:
+        drill.log_dir = args.log_dir
+    return drill, args.out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status 0 when every run completed every request, 1 otherwise."""
+    drill, out = parse_args(argv)
+    started = time.monotonic()
+    report = run_drill(drill)
+    report["wall_s"] = time.monotonic() - started
+    print(format_table(report["rows"], report["goal"]))
+    print(f"\n{drill.rounds} round(s), {report['wall_s']:.0f}s wall", file=sys.stderr)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    complete = all(r["completed"] == r["planned"] for r in report["rows"])
+    return 0 if complete else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
