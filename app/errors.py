@@ -150,9 +150,6 @@ def _validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
         return APIError(400, f"The request body is not valid JSON: {detail}", code="invalid_json")
     if param is None:
         return APIError(400, "The request body must be a JSON object.", code="invalid_body")
-    if param.startswith("response_format"):
-        message = 'response_format: only {"type": "text"} is supported (no JSON mode or schema).'
-        return APIError(400, message, param="response_format", code="unsupported_parameter")
     if kind == "extra_forbidden":
         message = f"Unrecognized request argument supplied: {param}"
         return APIError(400, message, param=param, code="unsupported_parameter")

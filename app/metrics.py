@@ -56,6 +56,12 @@ _ENGINE_COUNTERS = (
      "num_kv_events_published"),
     ("kvshare_kv_events_dropped", "KV cache events dropped: the publisher's queue was full.",
      "num_kv_events_dropped"),
+    ("kvshare_grammar_cache_hits",
+     "Structured-output requests whose grammar was compiled already (or was being compiled).",
+     "num_grammar_cache_hits"),
+    ("kvshare_grammar_compile_failures",
+     "Grammars that failed to compile or timed out (each a 400 for its request).",
+     "num_grammar_compile_failures"),
     ("kvshare_preemptions", "Sequences preempted to free KV blocks.", "num_preemptions"),
     ("kvshare_prompt_tokens", "Prompt tokens of admitted requests.", "num_prompt_tokens"),
     ("kvshare_prefill_tokens", "Prompt tokens actually computed (not served from cache).",
@@ -119,6 +125,16 @@ class ServerMetrics:
         self.batch_size = histogram(
             "kvshare_batch_size", "Sequences per engine step.", _BATCH_BUCKETS
         )
+        self.grammar_compile = histogram(
+            "kvshare_grammar_compile_seconds",
+            "Seconds to compile a structured-output grammar (cache misses only).",
+            _LATENCY_BUCKETS,
+        )
+        self.grammar_mask = histogram(
+            "kvshare_grammar_mask_seconds",
+            "Seconds the grammar masks added to an engine step (steps with constrained rows).",
+            _TOKEN_GAP_BUCKETS,
+        )
         self.audit_max_abs_diff = histogram(
             "kvshare_cache_audit_max_abs_diff",
             "Largest |cached - recomputed| difference (reused K/V or last-prompt logits) "
@@ -141,8 +157,12 @@ class ServerMetrics:
         if stats.step is not None:
             self.step_duration.observe(stats.step.duration_s)
             self.batch_size.observe(stats.step.num_seqs)
+            if stats.grammar_mask_seconds > 0:
+                self.grammar_mask.observe(stats.grammar_mask_seconds)
         for diff in stats.audit_max_abs_diffs:
             self.audit_max_abs_diff.observe(diff)
+        for seconds in stats.grammar_compile_seconds:
+            self.grammar_compile.observe(seconds)
         with self._lock:
             self._stats = stats
 
@@ -178,14 +198,26 @@ class _SnapshotCollector(Collector):
 def _engine_counters(stats: EngineStats) -> Iterator[Metric]:
     for name, doc, field in _ENGINE_COUNTERS:
         yield CounterMetricFamily(name, doc, value=getattr(stats, field))
-    mismatches = CounterMetricFamily(
+    yield _by_kind(
         "kvshare_cache_audit_mismatches",
         "Audits whose recomputed KV differed: corruption (wrong data) or drift (numerics).",
-        labels=["kind"],
+        {"corruption": stats.num_audit_corruptions, "drift": stats.num_audit_drifts},
     )
-    mismatches.add_metric(["corruption"], stats.num_audit_corruptions)
-    mismatches.add_metric(["drift"], stats.num_audit_drifts)
-    yield mismatches
+    yield _by_kind(
+        "kvshare_structured_requests",
+        "Requests whose output a grammar constrains, by response_format kind.",
+        {
+            "json_object": stats.num_structured_json_object_requests,
+            "json_schema": stats.num_structured_json_schema_requests,
+        },
+    )
+
+
+def _by_kind(name: str, doc: str, values: dict[str, int]) -> CounterMetricFamily:
+    counter = CounterMetricFamily(name, doc, labels=["kind"])
+    for kind, value in values.items():
+        counter.add_metric([kind], value)
+    return counter
 
 
 def _engine_gauges(stats: EngineStats) -> Iterator[Metric]:

@@ -3,12 +3,14 @@ to_sampling_params(); responses follow the shapes of OpenAI's openapi.yaml."""
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation, TypeAdapter, ValidationError
 
+from app.json_schema import check_schema
 from engine.core.errors import ParamError
-from engine.core.sampling_params import SamplingParams
+from engine.core.sampling_params import SamplingParams, StructuredOutput
 
 MAX_N = 128  # choices per prompt; more would only fill the queue
 MAX_STOP_STRINGS = 16  # stop strings are matched on every token
@@ -46,10 +48,79 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class ResponseFormat(_Request):
-    """Only plain text: JSON modes and schemas are refused (type must be "text")."""
+class ResponseFormatText(_Request):
+    """Plain text: no constraint."""
 
     type: Literal["text"]
+
+
+class ResponseFormatJsonObject(_Request):
+    """Any JSON object (the output is constrained to one by a grammar)."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Request):
+    """OpenAI's ResponseFormatJsonSchema.json_schema. The whole schema is always enforced:
+    `strict` true and false both get full enforcement (never a weaker, "best effort" one)."""
+
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: Annotated[bool | None, Field(strict=True)] = None  # a JSON boolean, not "yes"
+
+
+class ResponseFormatJsonSchema(_Request):
+    """JSON that conforms to json_schema.schema (see app/json_schema.py for the keywords)."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema,
+    Field(discriminator="type"),
+]
+_RESPONSE_FORMAT: TypeAdapter[Any] = TypeAdapter(ResponseFormat)
+
+
+def structured_output(response_format: Any) -> StructuredOutput | None:
+    """The engine's constraint for a raw `response_format` value; ParamError names the problem.
+
+    Validated here rather than as a pydantic field so that every error says exactly what is
+    wrong with response_format (the generic validation handler would only name the field).
+    """
+    if response_format is None:
+        return None
+    try:
+        parsed = _RESPONSE_FORMAT.validate_python(response_format)
+    except ValidationError as e:
+        raise ParamError("response_format", _response_format_message(e, response_format)) from e
+    if isinstance(parsed, ResponseFormatText):
+        return None
+    if isinstance(parsed, ResponseFormatJsonObject):
+        return StructuredOutput("json_object")
+    if parsed.json_schema.schema_ is None:
+        message = 'response_format of type "json_schema" needs json_schema.schema (an object)'
+        raise ParamError("response_format", message)
+    return StructuredOutput("json_schema", check_schema(parsed.json_schema.schema_))
+
+
+def _response_format_message(error: ValidationError, response_format: Any) -> str:
+    first = error.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"][1:])  # [0] is the union tag
+    kind = first["type"]
+    if kind in ("union_tag_invalid", "union_tag_not_found", "model_attributes_type"):
+        given = response_format.get("type") if isinstance(response_format, dict) else None
+        got = f", got {given!r}" if given is not None else ""
+        return f'response_format.type must be "text", "json_object" or "json_schema"{got}'
+    if kind == "extra_forbidden":
+        owner = "json_schema" if loc.startswith("json_schema.") else f'type "{first["loc"][0]}"'
+        field = loc.split(".")[-1]
+        return f"response_format: {owner} takes no field '{field}'"
+    if kind == "missing":
+        return f"response_format.{loc} is required"
+    return f"response_format.{loc}: {first['msg']}"
 
 
 # Extension fields that select something kvshare does not do: accepted only at the value that
@@ -82,6 +153,8 @@ class _SamplingRequest(_Request):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Checked by structured_output(), not by pydantic: the schema documents the real shape.
+    response_format: Annotated[ResponseFormat | None, SkipValidation] = None
     # Extensions beyond the OpenAI API (vLLM names).
     top_k: int | None = None
     min_p: float | None = None
@@ -118,6 +191,11 @@ class _SamplingRequest(_Request):
         or include_stop_str_in_output (vLLM)."""
         return bool(self.no_stop_trim or self.include_stop_str_in_output)
 
+    @cached_property
+    def structured(self) -> StructuredOutput | None:
+        """The output constraint response_format asks for (checked once per request)."""
+        return structured_output(self.response_format)
+
     @property
     def skips_special_tokens(self) -> bool:
         return self.skip_special_tokens is not False  # null means the default, true
@@ -150,6 +228,7 @@ class _SamplingRequest(_Request):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            structured=self.structured,
             **{name: value for name, value in given.items() if value is not None},
         )
 
@@ -159,7 +238,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     # Chat template extensions (vLLM / SGLang names).
     continue_final_message: bool | None = False
     add_generation_prompt: bool | None = None  # null: true, or false with continue_final_message

@@ -22,6 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.config import EngineConfig
 from engine.core.errors import (
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Add:
     request: EngineRequest
+    grammar: Any = None  # its compiled grammar (structured output), compiled off this thread
 
 
 @dataclass
@@ -136,13 +138,23 @@ class AsyncEngine:
         the engine's own state depends on is checked: a request id that is still running
         raises DuplicateRequest, and a request that breaks the scheduler's asserts ends with
         RequestOutput.error while the engine keeps serving.
+
+        Structured output: the grammar is compiled (or found in the cache) in a worker thread
+        before the request is queued, so the engine thread never compiles; a schema that
+        cannot be compiled in time raises ParamError (response_format) here, and so do
+        ignore_eos or min_tokens beside a response_format.
         """
         if request.request_id in self._streams:
             raise DuplicateRequest(request.request_id)
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request.request_id] = stream
+        try:
+            grammar = await self._compile_grammar(request)
+        except BaseException:
+            self._streams.pop(request.request_id, None)
+            raise
         self._num_waiting += 1
-        self._commands.put(_Add(request))
+        self._commands.put(_Add(request, grammar))
         finished = False
         try:
             while not finished:
@@ -153,6 +165,16 @@ class AsyncEngine:
             self._streams.pop(request.request_id, None)
             if not finished:
                 self._commands.put(_Abort(request.request_id, None))
+
+    async def _compile_grammar(self, request: EngineRequest) -> Any:
+        """The request's compiled grammar (None without response_format), from a worker
+        thread: GrammarCache is thread-safe and bounds the compile time itself."""
+        if request.sampling_params.structured is None:
+            return None
+        if self._engine is None:
+            raise EngineNotReady("the model is not loaded yet")
+        cache = self._engine.grammar_cache
+        return await asyncio.to_thread(cache.compile_for, request.sampling_params)
 
     async def abort(self, request_id: str, choice_index: int | None = None) -> None:
         self._commands.put(_Abort(request_id, choice_index))
@@ -221,7 +243,7 @@ class AsyncEngine:
             if isinstance(command, _Stop):
                 return False
             if isinstance(command, _Add):
-                self._add(engine, command.request)
+                self._add(engine, command.request, command.grammar)
             elif isinstance(command, _InjectFault):
                 self._inject_fault(engine, command)
             elif isinstance(command, _ListKVBlocks):
@@ -256,9 +278,10 @@ class AsyncEngine:
         except Exception as exc:  # KVEventsDisabled, or a bug: the caller reads it
             command.result.set_exception(exc)
 
-    def _add(self, engine: LLMEngine, request: EngineRequest) -> None:
+    def _add(self, engine: LLMEngine, request: EngineRequest, grammar: Any) -> None:
         try:
-            engine.add_request(request, is_validated=True)  # validated at the edge (generate)
+            # Validated at the edge; its grammar compiled in generate().
+            engine.add_request(request, is_validated=True, grammar=grammar)
         except Exception as exc:  # the scheduler's asserts: fail this request, keep serving
             logger.exception("rejected request %s", request.request_id)
             self._deliver(

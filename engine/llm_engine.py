@@ -6,7 +6,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.audit.auditor import Auditor
 from engine.audit.faults import FaultInjector
@@ -28,6 +28,7 @@ from engine.core.validation import validate_request
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_events import KVEvent
+from engine.runtime.grammar import GrammarCache
 from engine.runtime.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -65,12 +66,18 @@ class LLMEngine:
     KV events (config.kv_events_endpoint; off by default): the prefix cache appends its events
     to a list during the step; at the end of the step they go to the publisher as one batch
     (a queue put: the publisher thread encodes and sends). close() stops the publisher.
+
+    Structured output: `grammar_cache` (engine/runtime/grammar.py) is the one object another
+    thread may call (it is thread-safe): AsyncEngine compiles a request's grammar there before
+    queuing it and hands the result to add_request; offline, add_request compiles it itself.
+    The runner's grammar_matchers then mask that request's draws until it finishes.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
         self.model_info: ModelInfo = self.runner.model_info
+        self.grammar_cache = GrammarCache(self.model_info, config)  # thread-safe
         self._kv_events: list[KVEvent] = []  # this step's, until _publish hands them over
         self.kv_event_publisher = self._build_kv_event_publisher()
         self.kv_cache_manager = self._build_kv_cache_manager()
@@ -116,15 +123,29 @@ class LLMEngine:
         )
 
     # -- requests -----------------------------------------------------------------------
-    def add_request(self, request: EngineRequest, *, is_validated: bool = False) -> None:
+    def add_request(
+        self, request: EngineRequest, *, is_validated: bool = False, grammar: Any = None
+    ) -> None:
         """Queue `request`. Offline this is the edge: it runs validate_request (ParamError
         names a bad field). is_validated=True skips that for a caller whose edge already ran
         it (AsyncEngine: app/serving.py validated the request); the scheduler still asserts
         what its own state depends on (a unique id, a prompt that fits the context window).
+
+        A request with sampling_params.structured needs its compiled grammar: `grammar`, from
+        grammar_cache.compile_for (AsyncEngine compiles off this thread), else it is compiled
+        here, synchronously (ParamError on response_format, ignore_eos or min_tokens: nothing
+        is queued).
         """
         if not is_validated:
             validate_request(request, self.model_info)
+        structured = request.sampling_params.structured
+        if structured is not None and grammar is None:
+            grammar = self.grammar_cache.compile_for(request.sampling_params)
         self.scheduler.add_request(request)
+        if structured is not None:
+            # Release finished requests first: this id may be a finished one's, not yet dropped.
+            self.runner.grammar_matchers.release(self.scheduler.take_finished_request_ids())
+            self.runner.grammar_matchers.register(request.request_id, structured.kind, grammar)
 
     def abort_request(
         self, request_id: str, choice_index: int | None = None
@@ -148,6 +169,7 @@ class LLMEngine:
         self.auditor.start(self.scheduler.take_cache_hits())  # before execute: logits kept
         if sched_out.is_empty:
             # Requests the scheduler finished without running (e.g. never fit) still report.
+            self.runner.grammar_matchers.release(sched_out.finished_request_ids)
             outputs = self.scheduler.update_from_output(sched_out, ModelRunnerOutput())
             self._run_audits(sched_out)
             self._publish(None)
@@ -214,6 +236,7 @@ class LLMEngine:
     def close(self) -> None:
         """Stop what runs beside the engine (the KV event publisher, after sending what is
         queued). Safe to call again."""
+        self.grammar_cache.close()
         if self.kv_event_publisher is not None:
             self._flush_kv_events()
             self.kv_event_publisher.close()
@@ -237,10 +260,13 @@ class LLMEngine:
         ]
         for request in requests:  # all of them first: a bad prompt queues nothing
             validate_request(request, self.model_info)
+        grammars = [self.grammar_cache.compile_for(request.sampling_params) for request in requests]
         results = {}
-        for request, prompt, param in zip(requests, prompts, params, strict=True):
+        for request, prompt, param, grammar in zip(
+            requests, prompts, params, grammars, strict=True
+        ):
             request_id = request.request_id
-            self.add_request(request, is_validated=True)
+            self.add_request(request, is_validated=True, grammar=grammar)
             results[request_id] = GenerationResult(
                 token_ids=[[] for _ in range(param.n)],
                 finish_reasons=[None] * param.n,
@@ -283,7 +309,19 @@ class LLMEngine:
             step=step,
             audit_max_abs_diffs=tuple(self.auditor.drain_recent_max_abs_diffs()),
             **self._kv_event_counters(),
+            **self._grammar_figures(),
         )
+
+    def _grammar_figures(self) -> dict[str, Any]:
+        matchers, cache = self.runner.grammar_matchers, self.grammar_cache
+        return {
+            "num_structured_json_object_requests": matchers.num_requests_by_kind["json_object"],
+            "num_structured_json_schema_requests": matchers.num_requests_by_kind["json_schema"],
+            "num_grammar_cache_hits": cache.num_cache_hits,
+            "num_grammar_compile_failures": cache.num_compile_failures,
+            "grammar_compile_seconds": tuple(cache.drain_compile_seconds()),
+            "grammar_mask_seconds": matchers.take_mask_seconds(),
+        }
 
     def _kv_event_counters(self) -> dict[str, int]:
         publisher = self.kv_event_publisher

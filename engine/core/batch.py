@@ -14,6 +14,10 @@ class SampleSpec:
     `seeds` has one entry per token to draw from that row: 1 normally, n when a request
     with n choices finishes its prompt (the choices fork afterwards). The draw for seeds[i]
     is a pure function of (seeds[i], output_index).
+
+    `grammar_keys` (structured output only, else None) has one (request_id, choice_index)
+    per seed: the choice whose grammar masks that draw (engine/runtime/grammar.py). Every
+    choice has its own matcher, which catches up on output_token_ids.
     """
 
     sampling_params: SamplingParams
@@ -22,6 +26,7 @@ class SampleSpec:
     # References to the sequence's token lists (read only), for penalties.
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    grammar_keys: list[tuple[str, int]] | None = None
 
 
 @dataclass
@@ -58,12 +63,16 @@ class SchedulerOutput:
     slot_mapping has one KV slot (block_id * block_size + offset) per token, in the order
     of `seqs` and their token_ids. No slot ever lies in a block that is shared or owned by
     the prefix tree: the scheduler checks this when it builds the mapping.
+
+    finished_request_ids: requests that finished (any reason) since the previous
+    SchedulerOutput, so the runtime drops what it keeps per request (grammar matchers).
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     num_decodes: int = 0
+    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -64,6 +64,11 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kvshare"  # the first frame of every message
     kv_events_queue_size: int = 10_000  # event batches (steps) queued for the publisher thread
+    # Structured output (engine/runtime/grammar.py): a response_format is compiled into a
+    # grammar off the engine thread; slower or larger schemas fail only their request.
+    grammar_compile_timeout_seconds: float = 10.0
+    max_schema_bytes: int = 64 * 1024  # a json_schema's canonical text, in bytes
+    grammar_cache_size: int = 256  # compiled grammars kept (LRU)
 
     def __post_init__(self) -> None:
         checks = [
@@ -106,6 +111,13 @@ class EngineConfig:
                 "must be a ZMQ endpoint such as tcp://127.0.0.1:5557",
             ),
             (self.kv_events_queue_size >= 1, "kv_events_queue_size", "must be >= 1"),
+            (
+                self.grammar_compile_timeout_seconds > 0.0,
+                "grammar_compile_timeout_seconds",
+                "must be > 0",
+            ),
+            (self.max_schema_bytes >= 1, "max_schema_bytes", "must be >= 1"),
+            (self.grammar_cache_size >= 1, "grammar_cache_size", "must be >= 1"),
         ]
         for ok, name, rule in checks:
             if not ok:

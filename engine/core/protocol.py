@@ -114,6 +114,16 @@ class EngineStats:
     num_steps: int = 0  # model steps so far (a sequence number)
     step: StepSample | None = None  # None when no model step ran (idle, or a failed step)
     audit_max_abs_diffs: tuple[float, ...] = ()  # audits that finished in that step
+    # Structured output (response_format). Counters: constrained requests queued, by kind;
+    # compiles answered from the grammar cache (or joined in flight); compiles that failed or
+    # timed out. Since the previous snapshot: the seconds of each compile that finished (off
+    # the engine thread), and the host seconds grammar masks added to the steps.
+    num_structured_json_object_requests: int = 0
+    num_structured_json_schema_requests: int = 0
+    num_grammar_cache_hits: int = 0
+    num_grammar_compile_failures: int = 0
+    grammar_compile_seconds: tuple[float, ...] = ()
+    grammar_mask_seconds: float = 0.0
 
 
 FAULT_KINDS = ("corrupt_block", "wrong_block")  # the drills of engine/audit/faults.py

@@ -13,6 +13,35 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise ParamError(param, message)
 
 
+STRUCTURED_KINDS = ("json_object", "json_schema")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the text a request may generate, enforced by a grammar in the engine.
+
+    kind "json_object": any JSON object; "json_schema": JSON that conforms to `schema`, the
+    schema as canonical JSON text (sorted keys, no spaces: equal schemas are equal strings, so
+    compiled grammars are cached by it). The edge (app/protocol.py) has already checked the
+    schema and refused keywords the grammar engine would ignore.
+    """
+
+    kind: str
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in STRUCTURED_KINDS,
+            "response_format",
+            f"response_format type must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind}",
+        )
+        _check(
+            (self.kind == "json_schema") == (self.schema is not None),
+            "response_format",
+            "a json_schema constraint needs a schema, and only it takes one",
+        )
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. `temperature == 0` means greedy.
@@ -38,6 +67,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredOutput | None = None  # grammar-constrained output (None: free text)
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", f"n must be >= 1, got {self.n}")

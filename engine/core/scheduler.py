@@ -121,6 +121,7 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in admission order: the last is the newest
         self._pending_outputs: list[RequestOutput] = []  # finished outside a model step
+        self._finished_request_ids: list[str] = []  # since the last schedule(), for the runtime
         self._next_seq_id = 0
         self._num_steps = 0  # schedule() calls so far
         self.record_cache_hits = record_cache_hits
@@ -148,6 +149,12 @@ class Scheduler:
 
     def num_leaked_blocks(self) -> int:
         return self.kv_cache_manager.num_leaked_blocks(list(self._seqs.values()))
+
+    def take_finished_request_ids(self) -> list[str]:
+        """Requests finished since the last call; schedule() puts them in its output, so the
+        runtime drops what it keeps per request (call it directly before reusing an id)."""
+        ids, self._finished_request_ids = self._finished_request_ids, []
+        return ids
 
     def take_cache_hits(self) -> list[CacheHit]:
         """Cache hits recorded since the last call (only with record_cache_hits)."""
@@ -261,6 +268,7 @@ class Scheduler:
             self._admit_waiting(step)
         self._fail_write_violations(step)  # after every allocation: freed blocks stay unused
         step.output.block_copies = self.kv_cache_manager.take_block_copies()
+        step.output.finished_request_ids = self.take_finished_request_ids()
         return step.output
 
     def update_from_output(
@@ -519,6 +527,7 @@ class Scheduler:
         """The delta for `request`; forgets the request once every choice has finished."""
         if request.is_finished:
             del self._requests[request.request_id]
+            self._finished_request_ids.append(request.request_id)
         return request.make_output(completions, error)
 
     def _new_seq_id(self) -> int:

@@ -137,7 +137,14 @@ class Sequence:
             output_index=self.num_output_tokens,
             prompt_token_ids=self.prompt_token_ids,
             output_token_ids=self.output_token_ids,
+            grammar_keys=self.grammar_keys(),
         )
+
+    def grammar_keys(self) -> list[tuple[str, int]] | None:
+        """(request_id, choice_index) per sample seed when a grammar constrains the output."""
+        if self.sampling_params.structured is None:
+            return None
+        return [(self.request_id, i) for i in self.choice_indices()]
 
     def check_stop(
         self, eos_token_ids: tuple[int, ...], max_model_len: int

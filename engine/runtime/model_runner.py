@@ -25,6 +25,7 @@ from engine.runtime.cpu.allocator import keep_temporaries_on_heap
 from engine.runtime.cpu.fused import CpuFusedOps
 from engine.runtime.cpu.linear import can_pack
 from engine.runtime.cuda_graph_runner import CudaGraphRunner, graphs_disabled_reason
+from engine.runtime.grammar import GrammarMatchers
 from engine.runtime.loader import kvshare_cache_dir, load_model
 from engine.runtime.models.llama import LlamaSpec
 from engine.runtime.sampler import Sampler
@@ -124,7 +125,9 @@ class ModelRunner:
     Public attributes: device, dtype, model, hf_config, max_model_len, block_size,
     bytes_per_block, num_kv_blocks, kv_caches (per layer (k, v), each
     [num_kv_blocks, block_size, Hkv, D]), attn_backend, sampler, model_info, graph_runner
-    (CUDA graphs for decode-only steps; None on the CPU, with enforce_eager or torch attention).
+    (CUDA graphs for decode-only steps; None on the CPU, with enforce_eager or torch attention),
+    grammar_matchers (structured output: the engine registers each constrained request's
+    compiled grammar; execute() releases the requests the scheduler reports finished).
 
     For the cache auditor: capture_prompt_logits(seq_id) keeps the logits row a sequence gets
     at its last prompt token (its first sample) for take_prompt_logits(); run_audit() runs a
@@ -146,7 +149,8 @@ class ModelRunner:
         )
         if self.attn_backend.name == "cpu":  # its library also has the fused elementwise ops
             self.model.use_fused_ops(CpuFusedOps(self.attn_backend.library))
-        self.sampler = Sampler(self.model_info.eos_token_ids)
+        self.grammar_matchers = GrammarMatchers(self.model_info.vocab_size)
+        self.sampler = Sampler(self.model_info.eos_token_ids, self.grammar_matchers)
         self._capture_seq_ids: set[int] = set()  # the auditor's (the warm-up samples too)
         self._prompt_logits: dict[int, torch.Tensor] = {}
         self.block_size = config.block_size
@@ -159,6 +163,7 @@ class ModelRunner:
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Apply copy-on-write copies, run the forward over the batch, sample its last tokens."""
+        self.grammar_matchers.release(sched_out.finished_request_ids)
         if sched_out.block_copies:
             self._copy_blocks(sched_out.block_copies)
         if sched_out.is_empty:

@@ -1,9 +1,11 @@
 """Token sampling with counter-based randomness: the draw is a pure function of (seed, t).
 
-Order per row: logit_bias -> min_tokens (EOS/stop ids banned) -> repetition penalty
-(HF: prompt + output) -> presence/frequency penalties (OpenAI: output only) -> greedy
-argmax, or temperature -> top_k -> top_p -> min_p -> sample. Logprobs come from the raw
-logits (before any of that).
+Order per row: grammar mask (structured output: tokens the choice's grammar forbids get
+-inf) -> logit_bias -> min_tokens (EOS/stop ids banned) -> repetition penalty (HF: prompt +
+output) -> presence/frequency penalties (OpenAI: output only) -> greedy argmax, or
+temperature -> top_k -> top_p -> min_p -> sample. Logprobs come from the raw logits (before
+any of that, the grammar mask included: they say what the model thought, not what the
+grammar let through).
 
 Sampling uses the exponential race: argmax_v p[v] / E[v] with E[v] = -log u[v] is an exact
 draw from p, and u[v] = hash(seed, t, v) needs no generator state, so no other row, step or
@@ -22,6 +24,7 @@ import torch
 from engine.core.batch import SampledToken, SampleSpec
 from engine.core.sampling_params import SamplingParams
 from engine.core.seeds import GOLDEN_GAMMA, MASK64, MIX1, MIX2, draw_key
+from engine.runtime.grammar import GrammarKey, GrammarMatchers
 from engine.runtime.transfer import to_device
 
 _FIRST_CANDIDATES = 256  # top_p: candidates tried first; grows 8x until the nucleus fits
@@ -69,6 +72,7 @@ class _Draw:
     row: int
     spec: SampleSpec
     seed: int
+    grammar_key: GrammarKey | None = None  # the choice whose grammar masks this draw
 
     @property
     def params(self) -> SamplingParams:
@@ -76,10 +80,15 @@ class _Draw:
 
 
 class Sampler:
-    """Stateless between calls; `eos_token_ids` are what min_tokens keeps from being drawn."""
+    """Stateless between calls but for the grammar matchers; `eos_token_ids` are what
+    min_tokens keeps from being drawn. `grammars` masks the draws whose spec has
+    grammar_keys (without it such a spec is an error)."""
 
-    def __init__(self, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, eos_token_ids: Sequence[int], grammars: GrammarMatchers | None = None
+    ) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
+        self.grammars = grammars
 
     def __call__(
         self, logits: torch.Tensor, specs: Sequence[SampleSpec]
@@ -95,13 +104,20 @@ class Sampler:
         return self._unpack(packed.tolist(), specs, draws)
 
     def processed_logits(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
-        """The logits after bias, min_tokens and penalties: [N, V], one row per seed."""
+        """The logits after grammar masks, bias, min_tokens and penalties: [N, V], one row
+        per seed."""
         draws = self._draws(specs)
         return self._process(self._expand(logits, draws).clone(), draws)
 
     @staticmethod
     def _draws(specs: Sequence[SampleSpec]) -> list[_Draw]:
-        return [_Draw(row, spec, seed) for row, spec in enumerate(specs) for seed in spec.seeds]
+        return [
+            _Draw(row, spec, seed, key)
+            for row, spec in enumerate(specs)
+            for seed, key in zip(
+                spec.seeds, spec.grammar_keys or [None] * len(spec.seeds), strict=True
+            )
+        ]
 
     def _expand(self, logits: torch.Tensor, draws: list[_Draw]) -> torch.Tensor:
         raw = logits.float()  # [B, V]
@@ -111,11 +127,23 @@ class Sampler:
         return raw
 
     def _process(self, logits: torch.Tensor, draws: list[_Draw]) -> torch.Tensor:
+        self._apply_grammar_masks(logits, draws)
         self._apply_logit_bias(logits, draws)
         self._apply_min_tokens(logits, draws)
         self._apply_repetition_penalty(logits, draws)
         self._apply_presence_frequency(logits, draws)
         return logits
+
+    def _apply_grammar_masks(self, logits: torch.Tensor, draws: list[_Draw]) -> None:
+        """One bitmask for the batch: each constrained row filled by its choice's matcher."""
+        rows = [i for i, d in enumerate(draws) if d.grammar_key is not None]
+        if not rows:
+            return
+        if self.grammars is None:
+            raise RuntimeError("a grammar-constrained draw reached a sampler without grammars")
+        keys = [draws[i].grammar_key for i in rows]
+        histories = [draws[i].spec.output_token_ids for i in rows]
+        self.grammars.apply_masks(logits, rows, keys, histories)
 
     def _apply_logit_bias(self, logits: torch.Tensor, draws: list[_Draw]) -> None:
         entries = [(i, t, b) for i, d in enumerate(draws) for t, b in d.params.logit_bias.items()]

@@ -209,4 +209,7 @@ class FakeEngine:
     def publish_steps(self, *samples: StepSample) -> None:
         """One snapshot per step, as AsyncEngine delivers them (figures kept)."""
         for sample in samples:
-            self.publish(replace(self.engine_stats, step=sample, audit_max_abs_diffs=()))
+            per_step = {"audit_max_abs_diffs": (), "grammar_compile_seconds": ()}
+            self.publish(
+                replace(self.engine_stats, step=sample, grammar_mask_seconds=0.0, **per_step)
+            )

@@ -43,6 +43,11 @@ REQUIRED = [
     ("kvshare_request_duration_seconds", "histogram"),
     ("kvshare_step_duration_seconds", "histogram"),
     ("kvshare_batch_size", "histogram"),
+    ("kvshare_structured_requests_total", "counter"),
+    ("kvshare_grammar_cache_hits_total", "counter"),
+    ("kvshare_grammar_compile_failures_total", "counter"),
+    ("kvshare_grammar_compile_seconds", "histogram"),
+    ("kvshare_grammar_mask_seconds", "histogram"),
 ]
 
 
@@ -170,3 +175,26 @@ def test_each_metrics_object_has_its_own_registry() -> None:
     first.observe_request("error", 1.0)
     assert 'kvshare_requests_total{finish_reason="error"} 1.0' in first.render().decode()
     assert 'kvshare_requests_total{finish_reason="error"} 0.0' in second.render().decode()
+
+
+async def test_grammar_figures_pushed_per_step_reach_the_scrape(client, engine: FakeEngine) -> None:
+    engine.publish(
+        EngineStats(
+            num_structured_json_object_requests=2,
+            num_structured_json_schema_requests=5,
+            num_grammar_cache_hits=4,
+            num_grammar_compile_failures=1,
+            grammar_compile_seconds=(0.02, 0.3),
+            step=StepSample(0.05, 3, 3),
+            grammar_mask_seconds=0.004,
+        )
+    )
+    engine.publish_steps(StepSample(0.02, 1, 1))  # a step without constrained rows
+    text = (await client.get("/metrics")).text
+    assert sample(text, "kvshare_structured_requests_total", 'kind="json_object"') == 2
+    assert sample(text, "kvshare_structured_requests_total", 'kind="json_schema"') == 5
+    assert sample(text, "kvshare_grammar_cache_hits_total") == 4
+    assert sample(text, "kvshare_grammar_compile_failures_total") == 1
+    assert sample(text, "kvshare_grammar_compile_seconds_count") == 2
+    assert sample(text, "kvshare_grammar_compile_seconds_sum") == pytest.approx(0.32)
+    assert sample(text, "kvshare_grammar_mask_seconds_count") == 1

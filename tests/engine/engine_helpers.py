@@ -87,3 +87,19 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     kv.check_integrity([])
     kv.evict(kv.num_total_blocks)
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+async def started_async_engine(config: EngineConfig):
+    """An AsyncEngine whose engine thread has loaded the model (fails the test otherwise)."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(config)
+    await engine.start()
+    for _ in range(600):
+        if engine.is_ready or engine.load_error:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.is_ready, engine.load_error
+    return engine

@@ -12,6 +12,7 @@ from engine.async_engine import AsyncEngine
 from engine.core.config import EngineConfig
 from engine.core.protocol import EngineRequest, EngineStats
 from engine.core.sampling_params import SamplingParams
+from tests.engine.engine_helpers import started_async_engine
 
 pytestmark = pytest.mark.anyio
 
@@ -32,17 +33,6 @@ async def _run(engine: AsyncEngine, request_id: str, prompt: list[int]) -> int:
     return num_tokens
 
 
-async def _started(config: EngineConfig) -> AsyncEngine:
-    engine = AsyncEngine(config)
-    await engine.start()
-    for _ in range(600):
-        if engine.is_ready or engine.load_error:
-            break
-        await asyncio.sleep(0.05)
-    assert engine.is_ready, engine.load_error
-    return engine
-
-
 def _histogram_count(text: str, name: str) -> float:
     match = re.search(rf"^{name}_count (\S+)$", text, re.MULTILINE)
     assert match, name
@@ -55,7 +45,7 @@ async def test_every_step_reaches_each_listener_once(make_tiny_model) -> None:
     )
     received: list[EngineStats] = []
     metrics = ServerMetrics()
-    engine = await _started(config)
+    engine = await started_async_engine(config)
     engine.add_stats_listener(received.append)
     engine.add_stats_listener(metrics.observe_engine)
     prompts = [[5 + i, 9, 17, 33, 4 + i] for i in range(NUM_REQUESTS)]

@@ -37,3 +37,16 @@ def prompts(model_dir) -> list[list[int]]:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return [chat_prompt_ids(tokenizer, q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def client(server_url):
+    """The official openai client on the session's real `kvshare serve`."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id

@@ -16,16 +16,6 @@ pytestmark = pytest.mark.integration
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
-@pytest.fixture(scope="module")
-def client(server_url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def test_streamed_text_equals_non_streamed_and_usage_arrives(client, model):
     full = client.chat.completions.create(
         model=model, messages=QUESTION, temperature=0, max_tokens=24
