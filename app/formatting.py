@@ -3,6 +3,10 @@ models and stream chunks of app/protocol.py, one Formatter per endpoint."""
 
 from __future__ import annotations
 
+import enum
+import json
+import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,6 +24,8 @@ from app.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    ResponseFunctionCall,
+    ResponseToolCall,
     TopLogprob,
     Usage,
 )
@@ -72,6 +78,11 @@ class Formatter:
     def chunk(self, delta: ChoiceDelta) -> BaseModel | None:
         raise NotImplementedError
 
+    def chunks(self, delta: ChoiceDelta) -> list[BaseModel]:
+        """The stream chunks of one delta (none, one, or several)."""
+        chunk = self.chunk(delta)
+        return [] if chunk is None else [chunk]
+
     def usage_chunk(self, usage: Usage) -> BaseModel:
         raise NotImplementedError
 
@@ -97,20 +108,158 @@ class Formatter:
         return folded
 
 
+class ToolCallMode(enum.Enum):
+    """How a chat choice's text holds tool calls: AUTO, text with `<tool_call>` blocks
+    (tool_choice "auto"); FORCED, nothing but the calls' JSON ("required" or a named one)."""
+
+    AUTO = "auto"
+    FORCED = "forced"
+
+    @classmethod
+    def of(cls, tool_mode: str | None) -> ToolCallMode | None:
+        """None (no parsing) without tools or with tool_choice "none"."""
+        if tool_mode in (None, "none"):
+            return None
+        return cls.AUTO if tool_mode == "auto" else cls.FORCED
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+TOOL_CALL_BEGIN = "<tool_call>"
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class ToolCallParser:
+    """One choice's text -> its content and its tool calls, fed as it streams.
+
+    feed() returns the content that is final: in AUTO mode the text before the first
+    `<tool_call>` (trailing whitespace and a possible start of the tag are held back); in
+    FORCED mode nothing. finish() returns the rest of the content and the calls. The
+    non-streamed response feeds the whole text once, so both agree by construction. Text
+    that does not parse as calls (only a choice cut by max_tokens: the grammar allows no
+    other) comes back as content.
+    """
+
+    def __init__(self, mode: ToolCallMode) -> None:
+        self.mode = mode
+        self._held = ""
+        self._in_calls = mode is ToolCallMode.FORCED
+        self._emitted = False
+
+    def feed(self, text: str) -> str:
+        self._held += text
+        if self._in_calls:
+            return ""
+        start = self._held.find(TOOL_CALL_BEGIN)
+        if start >= 0:
+            self._in_calls = True
+            content, self._held = self._held[:start].rstrip(), self._held[start:]
+        else:
+            cut = len(self._held[: len(self._held) - _partial_tag_length(self._held)].rstrip())
+            content, self._held = self._held[:cut], self._held[cut:]
+        self._emitted = self._emitted or bool(content)
+        return content
+
+    def finish(self) -> tuple[str, list[ParsedCall]]:
+        held, self._held = self._held, ""
+        if not self._in_calls:
+            return held, []
+        if self.mode is ToolCallMode.FORCED:
+            calls = _forced_calls(held)
+            return ("", calls) if calls else (held, [])
+        calls: list[ParsedCall] = []
+        end = 0
+        for match in _TOOL_CALL_BLOCK.finditer(held):
+            call = _call_of(match.group(1))
+            if call is None:
+                break
+            calls.append(call)
+            end = match.end()
+        rest = held[end:] if not calls else held[end:].strip()
+        if rest and calls and self._emitted:
+            rest = "\n" + rest
+        return rest, calls
+
+
+def _partial_tag_length(text: str) -> int:
+    """Length of the longest end of `text` that could grow into TOOL_CALL_BEGIN."""
+    for length in range(min(len(text), len(TOOL_CALL_BEGIN) - 1), 0, -1):
+        if text.endswith(TOOL_CALL_BEGIN[:length]):
+            return length
+    return 0
+
+
+def _call_of(value: Any) -> ParsedCall | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
+        return None
+    arguments = value.get("arguments")
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _forced_calls(text: str) -> list[ParsedCall] | None:
+    """The calls of a FORCED output: one call object, or an array of them."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = [_call_of(item) for item in items]
+    return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+
+def new_tool_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
 class ChatFormatter(Formatter):
+    def __init__(self, *, tool_calls: ToolCallMode | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.tool_call_mode = tool_calls
+        self._parsers: dict[int, ToolCallParser] = {}  # streaming: one per choice
+
     def response(
         self, num_choices: int, deltas: list[ChoiceDelta], usage: Usage
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=whole.index,
-                message=ChatResponseMessage(content=whole.text),
-                logprobs=self._logprobs(whole),
-                finish_reason=whole.finish_reason or "stop",
-            )
-            for whole in self.fold(num_choices, deltas)
-        ]
+        choices = [self._choice(whole) for whole in self.fold(num_choices, deltas)]
         return ChatCompletionResponse(**self.header, choices=choices, usage=usage)
+
+    def _choice(self, whole: ChoiceDelta) -> ChatChoice:
+        finish_reason = whole.finish_reason or "stop"
+        if self.tool_call_mode is None:
+            message = ChatResponseMessage(content=whole.text)
+        else:
+            parser = ToolCallParser(self.tool_call_mode)
+            content = parser.feed(whole.text)
+            rest, calls = parser.finish()
+            content += rest
+            tool_calls = [
+                ResponseToolCall(
+                    id=new_tool_call_id(),
+                    function=ResponseFunctionCall(name=call.name, arguments=call.arguments),
+                )
+                for call in calls
+            ]
+            message = ChatResponseMessage(
+                content=content or (None if calls else ""), tool_calls=tool_calls or None
+            )
+            finish_reason = _tool_finish_reason(finish_reason, calls)
+        return ChatChoice(
+            index=whole.index,
+            message=message,
+            logprobs=self._logprobs(whole),
+            finish_reason=finish_reason,
+        )
 
     def opening_chunks(self, num_choices: int) -> list[BaseModel]:
         """The first delta of every choice carries the role."""
@@ -129,6 +278,40 @@ class ChatFormatter(Formatter):
             finish_reason=delta.finish_reason,
         )
         return self._chunk([choice])
+
+    def chunks(self, delta: ChoiceDelta) -> list[BaseModel]:
+        """With tools: content as it becomes final; at the finish, each call as two deltas
+        (id, type and name, then the arguments) and a last one with the finish reason."""
+        if self.tool_call_mode is None:
+            return super().chunks(delta)
+        parser = self._parsers.setdefault(delta.index, ToolCallParser(self.tool_call_mode))
+        content = parser.feed(delta.text)
+        calls: list[ParsedCall] = []
+        if delta.finish_reason is not None:
+            rest, calls = parser.finish()
+            content += rest
+        chunks: list[BaseModel] = []
+        if content or delta.token_ids:
+            body = ChatChunkChoice(
+                index=delta.index,
+                delta={"content": content} if content else {},
+                logprobs=self._logprobs(delta),
+            )
+            chunks.append(self._chunk([body]))
+        for number, call in enumerate(calls):
+            function = {"name": call.name, "arguments": ""}
+            opening = {"index": number, "id": new_tool_call_id(), "type": "function"}
+            arguments = {"index": number, "function": {"arguments": call.arguments}}
+            for part in ({**opening, "function": function}, arguments):
+                chunks.append(
+                    self._chunk([ChatChunkChoice(index=delta.index, delta={"tool_calls": [part]})])
+                )
+        if delta.finish_reason is not None:
+            reason = _tool_finish_reason(delta.finish_reason, calls)
+            chunks.append(
+                self._chunk([ChatChunkChoice(index=delta.index, delta={}, finish_reason=reason)])
+            )
+        return chunks
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return self._chunk([], usage)
@@ -151,6 +334,11 @@ class ChatFormatter(Formatter):
         top = [self._top(token_id, logprob) for token_id, logprob in lp.top_logprobs]
         sampled = self._top(lp.token_id, lp.logprob)
         return ChatTokenLogprob(**sampled.model_dump(), top_logprobs=top)
+
+
+def _tool_finish_reason(finish_reason: str, calls: list[ParsedCall]) -> str:
+    """ "tool_calls" when the choice ended (not cut) having called tools."""
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
 
 
 class CompletionFormatter(Formatter):

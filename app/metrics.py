@@ -209,6 +209,7 @@ def _engine_counters(stats: EngineStats) -> Iterator[Metric]:
         {
             "json_object": stats.num_structured_json_object_requests,
             "json_schema": stats.num_structured_json_schema_requests,
+            "tool_calls": stats.num_structured_tool_calls_requests,
         },
     )
 

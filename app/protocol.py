@@ -3,12 +3,23 @@ to_sampling_params(); responses follow the shapes of OpenAI's openapi.yaml."""
 
 from __future__ import annotations
 
+import json
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SkipValidation, TypeAdapter, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    SkipValidation,
+    TypeAdapter,
+    ValidationError,
+    model_serializer,
+)
 
-from app.json_schema import check_schema
+from app.json_schema import WHERE as SCHEMA_WHERE
+from app.json_schema import SchemaRefused, canonical_json, check_schema
 from engine.core.errors import ParamError
 from engine.core.sampling_params import SamplingParams, StructuredOutput
 
@@ -28,20 +39,96 @@ class TextPart(_Request):
     text: str
 
 
-class ChatMessage(_Request):
-    """system / developer / user / assistant; content as a string or a list of text parts."""
+class FunctionCall(_Request):
+    """A call in the history: `arguments` is JSON text (checked by ChatMessage.check)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(_Request):
+    """system / developer / user / assistant / tool; content as a string or text parts.
+
+    An assistant message may carry `tool_calls` (its content may then be null); a tool
+    message answers one call (`tool_call_id`). check() says what pydantic cannot.
+    """
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def check(self, where: str) -> None:
+        """ParamError naming the field (`where` is this message's path, "messages[i]")."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ParamError(f"{where}.content", f"{where}.content is required")
+        if self.tool_calls and self.role != "assistant":
+            raise ParamError(f"{where}.tool_calls", "only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            message = f"{where}.tool_call_id is required in a tool message"
+            raise ParamError(f"{where}.tool_call_id", message)
+        for number, call in enumerate(self.tool_calls or []):
+            try:
+                json.loads(call.function.arguments)
+            except ValueError as e:
+                param = f"{where}.tool_calls[{number}].function.arguments"
+                raise ParamError(param, f"{param} must be a JSON string: {e}") from e
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as chat templates read it. `developer` is OpenAI's new name for system."""
+        """The message as chat templates read it. `developer` is OpenAI's new name for system;
+        tool call arguments are given as objects, as Hugging Face templates expect."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content, "name": self.name}
+        message = {"role": role, "content": content, "name": self.name}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": json.loads(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # None: a function that takes no arguments
+    strict: Annotated[bool | None, Field(strict=True)] = None  # always enforced in full
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+MAX_PARALLEL_TOOL_CALLS = 8  # calls in one "required" answer with parallel_tool_calls
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class StreamOptions(_Request):
@@ -121,6 +208,61 @@ def _response_format_message(error: ValidationError, response_format: Any) -> st
     if kind == "missing":
         return f"response_format.{loc} is required"
     return f"response_format.{loc}: {first['msg']}"
+
+
+def tool_structured_output(
+    tools: list[Tool], mode: str, tool_choice: NamedToolChoice | str | None, parallel: bool = True
+) -> StructuredOutput:
+    """The grammar behind a tool_choice other than "none".
+
+    "auto": text, where every `<tool_call>` must be completed as a valid call (kind
+    "tool_calls"). "named": exactly `{"name": NAME, "arguments": ARGS}`. "required": one such
+    object for any of the tools, or with parallel calls an array of 1 to
+    MAX_PARALLEL_TOOL_CALLS of them (bounded, so that a model cannot add calls forever).
+    The text keeps "name" before "arguments" (the grammar writes properties in schema order,
+    and a streamed call starts with its name); the parameters are canonical (sorted keys).
+    """
+    parameters = {
+        tool.function.name: _tool_parameters(number, tool) for number, tool in enumerate(tools)
+    }
+    if mode == "auto":
+        listed = [{"name": name, "parameters": schema} for name, schema in parameters.items()]
+        return StructuredOutput("tool_calls", canonical_json(listed))
+    calls = [_call_schema(name, schema) for name, schema in parameters.items()]
+    if mode == "named":
+        assert isinstance(tool_choice, NamedToolChoice)
+        schema = _call_schema(tool_choice.function.name, parameters[tool_choice.function.name])
+    else:
+        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        if parallel:
+            schema = {
+                "type": "array",
+                "items": schema,
+                "minItems": 1,
+                "maxItems": MAX_PARALLEL_TOOL_CALLS,
+            }
+    return StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))
+
+
+def _tool_parameters(number: int, tool: Tool) -> dict[str, Any]:
+    """tools[number]'s parameters schema, checked as response_format schemas are."""
+    schema = tool.function.parameters
+    if schema is None:
+        return NO_ARGUMENTS
+    param = f"tools[{number}].function.parameters"
+    try:
+        return json.loads(check_schema(schema))  # canonical: equal schemas, equal grammars
+    except SchemaRefused as e:
+        raise ParamError(param, e.message.replace(SCHEMA_WHERE, param)) from e
+
+
+def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 # Extension fields that select something kvshare does not do: accepted only at the value that
@@ -245,6 +387,51 @@ class ChatCompletionRequest(_SamplingRequest):
     # and both values give the same response, as on SGLang without --reasoning-parser.
     separate_reasoning: bool | None = True
     stream_reasoning: bool | None = True
+    # Function tools (see tool_mode and README "Tools").
+    tools: Annotated[list[Tool] | None, Field(min_length=1)] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # null: true
+
+    def check_messages(self) -> None:
+        """ParamError naming the first message field pydantic cannot check."""
+        for number, message in enumerate(self.messages):
+            message.check(f"messages[{number}]")
+
+    @cached_property
+    def tool_mode(self) -> str | None:
+        """None without tools, else "none", "auto" (the default), "required" or "named"."""
+        if self.tools is None:
+            if self.tool_choice is not None:
+                raise ParamError("tool_choice", "tool_choice is only allowed when tools are given")
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {tool.function.name for tool in self.tools}:
+                message = f"tool_choice names function {name!r}, which is not in tools"
+                raise ParamError("tool_choice", message)
+            return "named"
+        return self.tool_choice or "auto"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates read them (OpenAI's shape, null fields dropped)."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    @cached_property
+    def structured(self) -> StructuredOutput | None:
+        """response_format's constraint, or the one tool_choice asks for (never both)."""
+        mode = self.tool_mode
+        if mode in (None, "none"):
+            return structured_output(self.response_format)
+        if structured_output(self.response_format) is not None:
+            message = 'response_format cannot be combined with tools unless tool_choice is "none"'
+            raise ParamError("response_format", message)
+        return tool_structured_output(self.tools or [], mode, self.tool_choice, self.parallel_calls)
+
+    @property
+    def parallel_calls(self) -> bool:
+        return self.parallel_tool_calls is not False
 
     def template_mode(self) -> tuple[bool, bool]:
         """(add_generation_prompt, continue_final_message) for the chat template.
@@ -309,7 +496,7 @@ class CompletionRequest(_SamplingRequest):
 
 # -- responses -----------------------------------------------------------------------------
 
-FinishReasonName = Literal["stop", "length"]
+FinishReasonName = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -347,10 +534,31 @@ class ChatLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
+    """content is null when the message only calls tools; tool_calls is left out without."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
@@ -372,7 +580,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": ...} and/or {"content": ...}; absent keys are omitted
+    delta: dict[str, Any]  # "role", "content", "tool_calls"; absent keys are omitted
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName | None = None
 

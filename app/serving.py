@@ -21,7 +21,13 @@ from typing import Any
 import anyio
 
 from app.errors import APIError, EngineError, api_error
-from app.formatting import ChatFormatter, ChoiceDelta, CompletionFormatter, Formatter
+from app.formatting import (
+    ChatFormatter,
+    ChoiceDelta,
+    CompletionFormatter,
+    Formatter,
+    ToolCallMode,
+)
 from app.metrics import ServerMetrics
 from app.protocol import (
     ChatCompletionRequest,
@@ -196,15 +202,23 @@ class OpenAIServing:
         """Validate, apply the chat template, tokenize once. Raises APIError, ParamError or
         ChatTemplateError (400s)."""
         self.check_model(request.model)
+        request.check_messages()
+        tool_mode = request.tool_mode  # checks tools and tool_choice
         messages = [m.to_template_dict() for m in request.messages]
         template_mode = request.template_mode()  # (add_generation_prompt, continue_final_message)
-        prompt_token_ids = self.model.tokenizer.apply_chat_template(messages, *template_mode)
+        tools = request.template_tools()
+        prompt_token_ids = self.model.tokenizer.apply_chat_template(
+            messages, *template_mode, tools=tools
+        )
         if self.settings.log_prompts:
-            record.prompt = self.model.tokenizer.render_chat(messages, *template_mode)
+            record.prompt = self.model.tokenizer.render_chat(messages, *template_mode, tools)
         response_id, engine_requests = self._engine_requests(
             "chatcmpl", [prompt_token_ids], request, record, prompt_param="messages"
         )
-        formatter = ChatFormatter(**self._formatter_fields(response_id, bool(request.logprobs)))
+        formatter = ChatFormatter(
+            **self._formatter_fields(response_id, bool(request.logprobs)),
+            tool_calls=ToolCallMode.of(tool_mode),
+        )
         return Prepared.of(formatter, engine_requests, request)
 
     def prepare_completion(self, request: CompletionRequest, record: RequestRecord) -> Prepared:
@@ -435,8 +449,7 @@ class OpenAIServing:
             yield formatter.dump_chunk(chunk, prepared.include_usage)
         async with aclosing(self.run(prepared, record)) as deltas:
             async for delta in deltas:
-                chunk = formatter.chunk(delta)
-                if chunk is not None:
+                for chunk in formatter.chunks(delta):
                     yield formatter.dump_chunk(chunk, prepared.include_usage)
         if prepared.include_usage:
             yield formatter.dump_chunk(formatter.usage_chunk(record.usage()), True)

@@ -317,6 +317,7 @@ class LLMEngine:
         return {
             "num_structured_json_object_requests": matchers.num_requests_by_kind["json_object"],
             "num_structured_json_schema_requests": matchers.num_requests_by_kind["json_schema"],
+            "num_structured_tool_calls_requests": matchers.num_requests_by_kind["tool_calls"],
             "num_grammar_cache_hits": cache.num_cache_hits,
             "num_grammar_compile_failures": cache.num_compile_failures,
             "grammar_compile_seconds": tuple(cache.drain_compile_seconds()),

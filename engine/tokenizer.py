@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -175,25 +176,42 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template does not compile: {e}") from e
 
+    @cached_property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (Qwen2/3, Llama 3 do)."""
+        source = self.chat_template or ""
+        try:
+            variables = jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(source))
+        except jinja2.TemplateError:
+            return False
+        return "tools" in variables
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The prompt text the chat template makes of `messages` (keys with None dropped).
 
         continue_final_message: the text ends right after the last message's content, so that
         the closing tokens the template writes after it are cut and generation continues that
         message (transformers does the same: it cuts at the last occurrence of the content).
+        tools (OpenAI's shape): given to a template that reads them; otherwise the messages
+        are rewritten into the generic tool format (generic_tool_messages). Without tools the
+        messages reach the template as they are (it may refuse a tool role).
         """
         if not messages:
             raise ChatTemplateError("messages must not be empty")
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        template_tools = list(tools) if tools else None
+        if template_tools and not self.template_takes_tools:
+            plain, template_tools = generic_tool_messages(plain, template_tools), None
         try:
             text = self._compiled_template.render(
                 messages=plain,
-                tools=None,
+                tools=template_tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 **self.special_tokens,
@@ -207,14 +225,68 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered conversation.
 
         The template already writes every special token it wants (BOS included), so the text
         is encoded without adding special tokens again, as transformers does.
         """
-        text = self.render_chat(messages, add_generation_prompt, continue_final_message)
+        text = self.render_chat(messages, add_generation_prompt, continue_final_message, tools)
         return self.encode(text, False)
+
+
+GENERIC_TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query. The functions, one JSON \
+object per line:
+<tools>
+{tools}
+</tools>
+
+To call a function, answer with one block per call, exactly like this:
+<tool_call>
+{{"name": <function-name>, "arguments": <arguments-json-object>}}
+</tool_call>"""
+
+
+def generic_tool_messages(
+    messages: list[dict[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """Messages for a template that knows nothing of tools (Hermes / Qwen style text).
+
+    With tools, a system section lists them (GENERIC_TOOLS_PROMPT), appended to the first
+    message when it is the system's, else as a new first system message. An assistant's
+    tool_calls become `<tool_call>` blocks after its content; a tool message becomes a user
+    message holding `<tool_response>\n...\n</tool_response>`.
+    """
+    rewritten = [_generic_message(message) for message in messages]
+    if not tools:
+        return rewritten
+    listed = "\n".join(json.dumps(tool.get("function", tool), ensure_ascii=False) for tool in tools)
+    section = GENERIC_TOOLS_PROMPT.format(tools=listed)
+    if rewritten and rewritten[0].get("role") == "system":
+        first = rewritten[0]
+        rewritten[0] = {**first, "content": f"{first.get('content', '')}\n\n{section}".lstrip()}
+    else:
+        rewritten.insert(0, {"role": "system", "content": section})
+    return rewritten
+
+
+def _generic_message(message: dict[str, Any]) -> dict[str, Any]:
+    if message.get("role") == "tool":
+        content = message.get("content", "")
+        return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    blocks = [message["content"]] if message.get("content") else []
+    for call in calls:
+        function = call.get("function", {})
+        body = {"name": function.get("name"), "arguments": function.get("arguments")}
+        blocks.append(f"<tool_call>\n{json.dumps(body, ensure_ascii=False)}\n</tool_call>")
+    plain = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**plain, "content": "\n".join(blocks)}
 
 
 def _open_final_message(text: str, final_message: Mapping[str, Any]) -> str:

@@ -120,6 +120,7 @@ class EngineStats:
     # the engine thread), and the host seconds grammar masks added to the steps.
     num_structured_json_object_requests: int = 0
     num_structured_json_schema_requests: int = 0
+    num_structured_tool_calls_requests: int = 0  # tool_choice auto (required/named: json_schema)
     num_grammar_cache_hits: int = 0
     num_grammar_compile_failures: int = 0
     grammar_compile_seconds: tuple[float, ...] = ()

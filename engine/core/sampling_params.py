@@ -13,7 +13,8 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise ParamError(param, message)
 
 
-STRUCTURED_KINDS = ("json_object", "json_schema")
+STRUCTURED_KINDS = ("json_object", "json_schema", "tool_calls")
+_KINDS_WITH_SCHEMA = ("json_schema", "tool_calls")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,11 @@ class StructuredOutput:
     schema as canonical JSON text (sorted keys, no spaces: equal schemas are equal strings, so
     compiled grammars are cached by it). The edge (app/protocol.py) has already checked the
     schema and refused keywords the grammar engine would ignore.
+
+    kind "tool_calls" (tool_choice "auto"): free text in which every `<tool_call>` starts a
+    call that must be completed as `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`
+    with ARGS conforming to that function's parameters; `schema` is the canonical JSON of
+    the list `[{"name": NAME, "parameters": SCHEMA}, ...]`.
     """
 
     kind: str
@@ -36,9 +42,10 @@ class StructuredOutput:
             f"response_format type must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind}",
         )
         _check(
-            (self.kind == "json_schema") == (self.schema is not None),
+            (self.kind in _KINDS_WITH_SCHEMA) == (self.schema is not None),
             "response_format",
-            "a json_schema constraint needs a schema, and only it takes one",
+            f"a {self.kind} constraint "
+            + ("needs a schema" if self.kind in _KINDS_WITH_SCHEMA else "takes no schema"),
         )
 
 

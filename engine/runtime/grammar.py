@@ -41,7 +41,7 @@ import xgrammar as xgr
 from engine.core.config import EngineConfig
 from engine.core.errors import ParamError
 from engine.core.protocol import ModelInfo
-from engine.core.sampling_params import SamplingParams, StructuredOutput
+from engine.core.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class GrammarCache:
         return self.compile(params.structured)
 
     def compile(self, structured: StructuredOutput) -> xgr.CompiledGrammar:
-        schema = structured.schema if structured.kind == "json_schema" else _ANY_JSON_OBJECT
+        schema = structured.schema if structured.schema is not None else _ANY_JSON_OBJECT
         num_bytes = len(schema.encode())
         if num_bytes > self.max_schema_bytes:
             raise ParamError(
@@ -107,7 +107,7 @@ class GrammarCache:
                 f"{self.max_schema_bytes} (max_schema_bytes)",
             )
         compiler = self._get_compiler()
-        future = self._future(structured, compiler, schema)
+        future = self._future(structured, compiler)
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -136,7 +136,7 @@ class GrammarCache:
 
     # -- internals ---------------------------------------------------------------------
     def _future(
-        self, structured: StructuredOutput, compiler: xgr.GrammarCompiler, schema: str
+        self, structured: StructuredOutput, compiler: xgr.GrammarCompiler
     ) -> Future[xgr.CompiledGrammar]:
         """The cached (or in-flight) compile of `structured`, else a newly submitted one."""
         with self._lock:
@@ -145,17 +145,23 @@ class GrammarCache:
                 self._entries.move_to_end(structured)
                 self.num_cache_hits += 1
                 return future
-            future = self._executor.submit(self._run_compile, compiler, schema)
+            future = self._executor.submit(self._run_compile, compiler, structured)
             self._entries[structured] = future
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)  # the least recently used
         future.add_done_callback(lambda done: self._forget_failed(structured, done))
         return future
 
-    def _run_compile(self, compiler: xgr.GrammarCompiler, schema: str) -> xgr.CompiledGrammar:
+    def _run_compile(
+        self, compiler: xgr.GrammarCompiler, structured: StructuredOutput
+    ) -> xgr.CompiledGrammar:
         started = time.perf_counter()
-        # any_whitespace=False: whitespace between tokens is bounded, so output terminates.
-        compiled = compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+        if structured.kind == "tool_calls":
+            compiled = compiler.compile_structural_tag(tool_calls_tag(structured.schema))
+        else:
+            schema = structured.schema if structured.schema is not None else _ANY_JSON_OBJECT
+            # any_whitespace=False: whitespace between tokens is bounded, so output terminates.
+            compiled = compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
         with self._lock:
             self._compile_seconds.append(time.perf_counter() - started)
         return compiled
@@ -185,6 +191,31 @@ class GrammarCache:
                 # Our LRU is the one cache: xgrammar's own would be unbounded.
                 self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
             return self._compiler
+
+
+TOOL_CALL_BEGIN = "<tool_call>"
+
+
+def tool_calls_tag(tools_json: str) -> str:
+    """The xgrammar structural tag of a "tool_calls" constraint (see StructuredOutput): text
+    is free until `<tool_call>`; from there the call must be completed, as
+    `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>` with ARGS conforming to
+    NAME's parameters. The trigger is a prefix of every tag's begin, as xgrammar requires."""
+    tags = [
+        {
+            "type": "tag",
+            "begin": f'{TOOL_CALL_BEGIN}\n{{"name": {json.dumps(tool["name"])}, "arguments": ',
+            "content": {
+                "type": "json_schema",
+                "json_schema": tool["parameters"],
+                "max_whitespace_cnt": 1,  # bounded whitespace, so a call terminates
+            },
+            "end": "}\n</tool_call>",
+        }
+        for tool in json.loads(tools_json)
+    ]
+    tag = {"type": "triggered_tags", "triggers": [TOOL_CALL_BEGIN], "tags": tags}
+    return json.dumps({"type": "structural_tag", "format": tag})
 
 
 def tokenizer_info(model_info: ModelInfo) -> xgr.TokenizerInfo:
@@ -238,7 +269,7 @@ class GrammarMatchers:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._requests: dict[str, _RequestGrammar] = {}
-        self.num_requests_by_kind = {"json_object": 0, "json_schema": 0}
+        self.num_requests_by_kind = dict.fromkeys(STRUCTURED_KINDS, 0)
         self._mask_seconds = 0.0
 
     @property

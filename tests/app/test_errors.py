@@ -30,8 +30,8 @@ def assert_error(response, status: int, param: str | None = None, code: str | No
 
 USER = [{"role": "user", "content": "hi"}]
 BAD_CHAT = [
-    ({"messages": USER, "tools": []}, "tools", "unsupported_parameter"),
-    ({"messages": USER, "tool_choice": "auto"}, "tool_choice", "unsupported_parameter"),
+    ({"messages": USER, "tools": []}, "tools", None),
+    ({"messages": USER, "tool_choice": "auto"}, "tool_choice", None),
     ({"messages": USER, "functions": []}, "functions", "unsupported_parameter"),
     ({"messages": USER, "audio": {}}, "audio", "unsupported_parameter"),
     ({"messages": USER, "best_of": 2}, "best_of", "unsupported_parameter"),
@@ -42,7 +42,8 @@ BAD_CHAT = [
     ),
     ({}, "messages", None),
     ({"messages": []}, "messages", None),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", None),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", None),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", None),
     ({"messages": [{"role": "user"}]}, "messages[0].content", None),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -86,8 +87,8 @@ async def test_bad_chat_fields_get_400_naming_the_field(client, body, param, cod
 
 
 async def test_unknown_field_message_names_it(client) -> None:
-    error = assert_error(await client.post(CHAT, json=chat_body(tools=[])), 400, "tools")
-    assert error["message"] == "Unrecognized request argument supplied: tools"
+    error = assert_error(await client.post(CHAT, json=chat_body(functions=[])), 400, "functions")
+    assert error["message"] == "Unrecognized request argument supplied: functions"
 
 
 async def test_context_window_message_gives_the_token_counts(client, engine) -> None:

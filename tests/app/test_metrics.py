@@ -182,6 +182,7 @@ async def test_grammar_figures_pushed_per_step_reach_the_scrape(client, engine: 
         EngineStats(
             num_structured_json_object_requests=2,
             num_structured_json_schema_requests=5,
+            num_structured_tool_calls_requests=3,
             num_grammar_cache_hits=4,
             num_grammar_compile_failures=1,
             grammar_compile_seconds=(0.02, 0.3),
@@ -193,6 +194,7 @@ async def test_grammar_figures_pushed_per_step_reach_the_scrape(client, engine: 
     text = (await client.get("/metrics")).text
     assert sample(text, "kvshare_structured_requests_total", 'kind="json_object"') == 2
     assert sample(text, "kvshare_structured_requests_total", 'kind="json_schema"') == 5
+    assert sample(text, "kvshare_structured_requests_total", 'kind="tool_calls"') == 3
     assert sample(text, "kvshare_grammar_cache_hits_total") == 4
     assert sample(text, "kvshare_grammar_compile_failures_total") == 1
     assert sample(text, "kvshare_grammar_compile_seconds_count") == 2

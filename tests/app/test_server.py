@@ -122,8 +122,9 @@ def test_openai_client_sees_errors(engine: FakeEngine) -> None:
                 model=MODEL,
                 messages=messages,
                 tools=[{"type": "function", "function": {"name": "f"}}],
+                tool_choice={"type": "function", "function": {"name": "g"}},
             )
-        assert bad.value.body["param"] == "tools"
+        assert bad.value.body["param"] == "tool_choice"
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="gpt-4", messages=messages)
         stranger = openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0)

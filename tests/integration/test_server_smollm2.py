@@ -192,7 +192,14 @@ def test_32_streams_complete_and_10_disconnects_leave_nothing_behind(server_url,
         ({"top_p": 2}, 400, "top_p"),
         ({"n": 0}, 400, "n"),
         ({"logit_bias": {"999999": 1}}, 400, "logit_bias"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            400,
+            "tool_choice",
+        ),
         ({"model": "no-such-model"}, 404, "model"),
     ],
 )

@@ -131,7 +131,7 @@ def test_json_object_mask_starts_an_object(cache):
     matchers = GrammarMatchers(VOCAB)
     matchers.register("r", "json_object", cache.compile(StructuredOutput("json_object")))
     assert allowed_ids(matchers, []) == {token_id("{"), token_id('{"'), token_id("{}")}
-    assert matchers.num_requests_by_kind == {"json_object": 1, "json_schema": 0}
+    assert matchers.num_requests_by_kind == {"json_object": 1, "json_schema": 0, "tool_calls": 0}
 
 
 def test_sampler_draws_only_allowed_tokens_and_reports_raw_logprobs(cache):
