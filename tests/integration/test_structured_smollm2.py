@@ -44,6 +44,21 @@ def test_parse_returns_the_pydantic_model(client, model):
     assert Sky.model_validate_json(message.content) == message.parsed
 
 
+def test_langchain_with_structured_output_json_schema(server_url, model):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=f"{server_url}/v1", api_key="unused", model=model, temperature=0, max_tokens=96
+    )
+    structured = llm.with_structured_output(Sky, method="json_schema", include_raw=True)
+    result = structured.invoke(ASK[0]["content"])
+    assert result["parsing_error"] is None
+    assert isinstance(result["parsed"], Sky)
+    raw = json.loads(result["raw"].content)
+    Draft202012Validator(to_strict_json_schema(Sky)).validate(raw)
+    assert Sky.model_validate(raw) == result["parsed"]
+
+
 def test_json_object_returns_a_json_object(client, model):
     completion = client.chat.completions.create(
         model=model,

@@ -161,7 +161,8 @@ def test_history_with_tool_results_is_accepted(client, model):
 
 
 def test_langchain_bind_tools(server_url, model):
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai  # a dev dependency: never skipped
+
     llm = langchain_openai.ChatOpenAI(
         base_url=f"{server_url}/v1", api_key="unused", model=model, temperature=0, max_tokens=96
     )
