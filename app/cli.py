@@ -1,16 +1,22 @@
-"""`kvshare serve | generate | estimate`.
+"""`kvshare serve | generate | estimate | healthcheck`.
 
 Heavy imports (torch, the engine runtime) happen inside the subcommand that needs them,
-so `kvshare --help` and the app modules stay light.
+so `kvshare --help`, `kvshare healthcheck` and the app modules stay light.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import sys
+import tempfile
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 
 from app import offline
 from app.settings import SettingsError, add_settings_flags, flag_overrides, load_settings
@@ -43,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         "KV memory per token, per context and batch, for a model's config",
         add_arguments=offline.add_estimate_arguments,
         handler=_offline(offline.run_estimate),
+    )
+    _add_command(
+        commands,
+        "healthcheck",
+        "exit 0 if the server answers /health (or /ready), else 1: a container health check",
+        add_arguments=_add_healthcheck_arguments,
+        handler=_healthcheck,
     )
     return parser
 
@@ -89,8 +102,123 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(settings.server.log_level, settings.server.log_format)
     engine = AsyncEngine(settings.to_engine_config())
     app = create_app(engine, settings)
-    asyncio.run(build_server(app, settings).serve())
+    record = _record_address(settings.server.host, settings.server.port)
+    try:
+        asyncio.run(build_server(app, settings).serve())
+    finally:
+        if record is not None:
+            record.unlink(missing_ok=True)
     return 0
+
+
+# -- healthcheck ------------------------------------------------------------------------------
+# A Dockerfile HEALTHCHECK runs `kvshare healthcheck` beside the server and cannot see the
+# serve command's flags (`docker run IMAGE kvshare serve --port 9000`). So `kvshare serve`
+# records the address it listens on, one file per process, and a health check given no
+# settings of its own probes the recorded servers; given --config or flags, it reads the
+# settings as serve does (defaults < --config < KVSHARE_* < flags).
+
+
+def serve_records_dir() -> Path:
+    """Where this user's `kvshare serve` processes record their addresses."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return Path(base) / f"kvshare-{os.getuid()}"
+
+
+def _record_address(host: str, port: int) -> Path | None:
+    """Record this process's address; None when there is none to record or no place for it
+    (a read-only filesystem costs the health check its discovery, never the server)."""
+    if port == 0:  # an ephemeral port is known only once bound
+        return None
+    path = serve_records_dir() / f"serve-{os.getpid()}.json"
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.write_text(json.dumps({"pid": os.getpid(), "host": host, "port": port}))
+    except OSError as e:
+        print(f"kvshare serve: warning: cannot record the address in {path}: {e}", file=sys.stderr)
+        return None
+    return path
+
+
+def recorded_addresses() -> list[tuple[str, int]]:
+    """(host, port) of every recorded server whose process is alive; stale records go."""
+    addresses = []
+    for path in sorted(serve_records_dir().glob("serve-*.json")):
+        try:
+            record = json.loads(path.read_text())
+            pid, host, port = int(record["pid"]), str(record["host"]), int(record["port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if _is_alive(pid):
+            addresses.append((host, port))
+        else:
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return addresses
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _add_healthcheck_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ready", action="store_true", help="probe /ready (model loaded, not draining)"
+    )
+    parser.add_argument("--url", default=None, help="probe this URL instead")
+    parser.add_argument("--timeout", type=float, default=4.0, help="seconds per probe")
+
+
+def probe_url(host: str, port: int, path: str) -> str:
+    """The URL that reaches a server listening on host:port (any-address: the loopback)."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}{path}"
+
+
+def _healthcheck_urls(args: argparse.Namespace) -> list[str] | None:
+    if args.url is not None:
+        return [args.url]
+    path = "/ready" if args.ready else "/health"
+    if args.config is None and not flag_overrides(args):
+        recorded = recorded_addresses()
+        if recorded:
+            return [probe_url(host, port, path) for host, port in recorded]
+    settings = _load(args, "healthcheck")
+    if settings is None:
+        return None
+    return [probe_url(settings.server.host, settings.server.port, path)]
+
+
+def _probe(url: str, timeout_s: float) -> str | None:
+    """None if `url` answers 200, else why not."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return None if response.status == 200 else f"status {response.status}"
+    except urllib.error.HTTPError as e:
+        return f"status {e.code}"
+    except (urllib.error.URLError, OSError) as e:
+        return str(getattr(e, "reason", e))
+
+
+def _healthcheck(args: argparse.Namespace) -> int:
+    """Exit 0 when every probed server answers, else 1 (Docker reads any other code as 1)."""
+    urls = _healthcheck_urls(args)
+    if urls is None:
+        return 1
+    failures = [f"{url}: {why}" for url in urls if (why := _probe(url, args.timeout)) is not None]
+    for failure in failures:
+        print(f"kvshare healthcheck: {failure}", file=sys.stderr)
+    if not failures:
+        print("healthy: " + " ".join(urls))
+    return 1 if failures else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

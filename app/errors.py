@@ -125,14 +125,22 @@ def param_path(loc: Sequence[str | int]) -> str | None:
     ('body', 'messages', 0, 'content', 'list[TextPart]', 1, 'type') -> messages[0].content[1].type
     """
     parts: list[str] = []
-    for item in loc[1:] if loc and loc[0] == "body" else loc:
+    items = list(loc[1:] if loc and loc[0] == "body" else loc)
+    for position, item in enumerate(items):
+        if item == "[key]" or items[position + 1 : position + 2] == ["[key]"]:
+            continue  # a mapping's bad key (and its marker) is no field name
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif item == "[key]" and parts:
-            parts.pop()  # the bad key itself is not a field name
         elif _FIELD_NAME.fullmatch(item) and item not in _TYPE_TAGS:
             parts.append(("." if parts else "") + item)
     return "".join(parts) or None
+
+
+def _preference(error: Mapping[str, Any]) -> tuple[bool, int, tuple[int, ...]]:
+    loc = error["loc"]
+    if not error["type"].endswith("_type"):
+        return False, len(loc), ()
+    return True, -len(loc), tuple(-item for item in loc if isinstance(item, int))
 
 
 def _validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
@@ -140,9 +148,10 @@ def _validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
 
     A union reports one error per member; a wrong-type error ("*_type") only says that
     member did not apply, so an error from the member whose shape matched is preferred,
-    then the shallowest.
+    then the shallowest. When every member failed on a type (requests are strict), the one
+    that got furthest is meant: the deepest, then the one at the latest list index.
     """
-    first = min(errors, key=lambda e: (e["type"].endswith("_type"), len(e["loc"])))
+    first = min(errors, key=_preference)
     kind, loc = first["type"], tuple(first["loc"])
     param = param_path(loc)
     if kind == "json_invalid":
@@ -180,6 +189,9 @@ async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
     status = exc.status_code
     if status == 404:
         error = APIError(404, f"Unknown route: {request.url.path}", code="not_found")
+    elif status == 400:  # FastAPI could not read the body (e.g. it is not UTF-8)
+        message = f"The request body is not valid JSON: {exc.detail}"
+        error = APIError(400, message, code="invalid_json")
     elif status == 405:
         message = f"Method {request.method} is not allowed on {request.url.path}"
         error = APIError(405, message, code="method_not_allowed")

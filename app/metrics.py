@@ -1,4 +1,4 @@
-"""The only place Prometheus metric objects are defined (names: /work/shared/DESIGN.md).
+"""The only place Prometheus metric objects are defined (names: the README's metrics list).
 
 One ServerMetrics per app, on its own CollectorRegistry, so apps (and tests) never share
 series. Engine numbers are pushed, not pulled: the engine publishes one immutable EngineStats
@@ -67,6 +67,12 @@ _ENGINE_COUNTERS = (
     ("kvshare_prefill_tokens", "Prompt tokens actually computed (not served from cache).",
      "num_prefill_tokens"),
     ("kvshare_generation_tokens", "Tokens generated.", "num_generation_tokens"),
+    ("kvshare_spec_draft_tokens",
+     "Speculative decoding: draft tokens (n-gram prompt lookup) verified by the model.",
+     "num_spec_draft_tokens"),
+    ("kvshare_spec_accepted_tokens",
+     "Speculative decoding: draft tokens kept (the model chose the same token).",
+     "num_spec_accepted_tokens"),
 )  # fmt: skip
 _ENGINE_GAUGES = (
     ("kvshare_kv_blocks_total", "KV blocks in the pool.", "num_total_blocks"),
@@ -241,6 +247,12 @@ def _engine_gauges(stats: EngineStats) -> Iterator[Metric]:
     requests.add_metric(["waiting"], stats.num_waiting)
     yield requests
     yield from _router_gauges(stats)
+    yield GaugeMetricFamily(
+        "kvshare_spec_acceptance_ratio",
+        "Speculative draft tokens kept / verified since start (0 before any draft); for a "
+        "window, divide the rate()s of kvshare_spec_accepted_tokens_total and _draft_tokens_total.",
+        value=stats.num_spec_accepted_tokens / max(1, stats.num_spec_draft_tokens),
+    )
 
 
 def _router_gauges(stats: EngineStats) -> Iterator[Metric]:

@@ -13,6 +13,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     SkipValidation,
+    Strict,
     TypeAdapter,
     ValidationError,
     model_serializer,
@@ -22,13 +23,27 @@ from app.json_schema import WHERE as SCHEMA_WHERE
 from app.json_schema import SchemaRefused, canonical_json, check_schema
 from engine.core.errors import ParamError
 from engine.core.sampling_params import SamplingParams, StructuredOutput
+from engine.core.seeds import MAX_SEED
 
-MAX_N = 128  # choices per prompt; more would only fill the queue
-MAX_STOP_STRINGS = 16  # stop strings are matched on every token
+# OpenAI's ranges (and the engine's, engine/core/sampling_params.py), declared on the fields
+# so that pydantic refuses a value outside them with a 400 naming the field and the OpenAPI
+# document shows them. Caps a server may set lower (n, stop strings, ...) are settings, checked
+# in app/limits.py.
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]  # 0 would keep no token at all
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+Count = Annotated[int, Field(ge=1)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+TokenId = Annotated[int, Field(ge=0)]
+TokenIdKey = Annotated[int, Strict(False), Field(ge=0)]  # JSON object keys are strings: "5"
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON value of the wrong type is refused, never coerced ("2" is no number,
+    # true is no 1.0, "yes" is no boolean), as the OpenAPI document says.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # -- requests ------------------------------------------------------------------------------
@@ -283,27 +298,27 @@ class _SamplingRequest(_Request):
     """The fields chat and completions share; None (or null) means "use the default"."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: Annotated[int | None, Field(le=MAX_N)] = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None
+    max_tokens: Count | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Count | None = None
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[TokenIdKey, Bias] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Checked by structured_output(), not by pydantic: the schema documents the real shape.
     response_format: Annotated[ResponseFormat | None, SkipValidation] = None
     # Extensions beyond the OpenAI API (vLLM names).
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1: off; 0 is refused (engine)
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
     ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     cache_salt: str | None = None
     skip_special_tokens: bool | None = True  # false: special tokens stay in the text
     no_stop_trim: bool | None = False  # SGLang's name: keep the matched stop in the text
@@ -349,7 +364,9 @@ class _SamplingRequest(_Request):
             if value is not None and value != no_op:
                 raise ParamError(name, f"{name}={value!r}: {reason}")
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         self.check_no_op_fields()
         given = {
             "n": self.n,
@@ -370,6 +387,7 @@ class _SamplingRequest(_Request):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             structured=self.structured,
             **{name: value for name, value in given.items() if value is not None},
         )
@@ -377,9 +395,9 @@ class _SamplingRequest(_Request):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     # Chat template extensions (vLLM / SGLang names).
     continue_final_message: bool | None = False
     add_generation_prompt: bool | None = None  # null: true, or false with continue_final_message
@@ -476,7 +494,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: echo / score the prompt only
+    logprobs: TopLogprobs | None = None
     echo: bool | None = False
 
     @property
@@ -488,10 +507,11 @@ class CompletionRequest(_SamplingRequest):
         return "max_tokens"
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        """SamplingParams with `max_tokens` already resolved (see OpenAIServing)."""
-        if self.echo and self.logprobs is not None:
-            raise ParamError("echo", "echo together with logprobs is not supported")
-        return self._sampling_params(max_tokens, self.logprobs)
+        """SamplingParams with `max_tokens` already resolved (see OpenAIServing). echo with
+        logprobs scores the prompt tokens too; max_tokens 0 generates nothing (OpenAI's
+        minimum here: with echo, the prompt alone, as lm-eval's loglikelihood sends it)."""
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -596,9 +616,11 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With echo the prompt's tokens come first; its first token has null logprobs."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

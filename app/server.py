@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import APIError, error_response, install_error_handlers
 from app.metrics import ServerMetrics
+from app.openapi import install_openapi
 from app.routes import chat, completions, debug, health, metrics, models
 from app.routes.deps import ServerState
 from app.serving import RequestRecord
@@ -57,6 +58,7 @@ def create_app(engine_client: EngineClient, settings: Settings) -> FastAPI:
     install_error_handlers(app)
     for module in (chat, completions, models, health, metrics, debug):
         app.include_router(module.router)
+    install_openapi(app, settings)
     return app
 
 
@@ -278,12 +280,16 @@ def configure_logging(level: str, log_format: str) -> None:
 # -- serving with a graceful drain -------------------------------------------------------------
 
 
+_LAST_EVENT_SECONDS = 2.0
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose SIGTERM/SIGINT drains first.
 
     First signal: /ready turns 503 and new requests get 503, running ones may finish for
-    shutdown_grace_seconds, then uvicorn shuts down (cancelling what is left, which aborts it
-    in the engine) and the lifespan shuts the engine down. A second signal exits at once.
+    shutdown_grace_seconds; then streams still running end with an error event and [DONE],
+    uvicorn shuts down (cancelling what is left, which aborts it in the engine) and the
+    lifespan shuts the engine down. A second signal exits at once.
     """
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
@@ -316,7 +322,10 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         grace = self.state.settings.server.shutdown_grace_seconds
         if not await self.state.wait_idle(grace):
-            logger.warning("grace period over: cancelling %d request(s)", self.state.num_in_flight)
+            logger.warning("grace period over: ending %d request(s)", self.state.num_in_flight)
+            self.state.is_grace_over.set()
+            # A moment for the streams to send their last event: a cut stream has none.
+            await self.state.wait_idle(_LAST_EVENT_SECONDS)
         self.should_exit = True
 
 

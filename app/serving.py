@@ -27,7 +27,9 @@ from app.formatting import (
     CompletionFormatter,
     Formatter,
     ToolCallMode,
+    echoed_prompt,
 )
+from app.limits import RequestLimits
 from app.metrics import ServerMetrics
 from app.protocol import (
     ChatCompletionRequest,
@@ -182,11 +184,13 @@ class OpenAIServing:
         model: ServedModel,
         settings: ServerSettings,
         metrics: ServerMetrics,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
         self.settings = settings
         self.metrics = metrics
+        self.limits = limits or RequestLimits.of(settings)
         self.created = int(time.time())
 
     # -- request -> EngineRequest(s) ----------------------------------------------------------
@@ -198,10 +202,20 @@ class OpenAIServing:
             )
             raise APIError(404, message, param="model", code="model_not_found")
 
+    async def prepare(
+        self, request: ChatCompletionRequest | CompletionRequest, record: RequestRecord
+    ) -> Prepared:
+        """prepare_chat / prepare_completion in a worker thread: templating and tokenizing a
+        body of up to max_body_bytes takes seconds, and the event loop must not wait on it."""
+        if isinstance(request, ChatCompletionRequest):
+            return await anyio.to_thread.run_sync(self.prepare_chat, request, record)
+        return await anyio.to_thread.run_sync(self.prepare_completion, request, record)
+
     def prepare_chat(self, request: ChatCompletionRequest, record: RequestRecord) -> Prepared:
         """Validate, apply the chat template, tokenize once. Raises APIError, ParamError or
-        ChatTemplateError (400s)."""
+        ChatTemplateError (400s). Blocking: call it through prepare()."""
         self.check_model(request.model)
+        self.limits.check_chat(request)
         request.check_messages()
         tool_mode = request.tool_mode  # checks tools and tool_choice
         messages = [m.to_template_dict() for m in request.messages]
@@ -222,18 +236,20 @@ class OpenAIServing:
         return Prepared.of(formatter, engine_requests, request)
 
     def prepare_completion(self, request: CompletionRequest, record: RequestRecord) -> Prepared:
-        """Tokenize and validate each prompt; one EngineRequest per prompt."""
+        """Tokenize and validate each prompt; one EngineRequest per prompt (blocking)."""
         self.check_model(request.model)
+        self.limits.check_completion(request)
         prompts = self._completion_prompts(request.prompt)
         response_id, engine_requests = self._engine_requests(
             "cmpl", prompts, request, record, prompt_param="prompt"
         )
-        prompt_texts = [self.model.tokenizer.decode(ids) for ids in prompts]  # ids checked now
+        with_tokens = bool(request.echo) and request.logprobs is not None  # prompt logprobs
+        echoes = [echoed_prompt(self.model.tokenizer, ids, with_tokens) for ids in prompts]
         if self.settings.log_prompts:
-            record.prompt = "\n".join(prompt_texts)
+            record.prompt = "\n".join(echo.text for echo in echoes)
         formatter = CompletionFormatter(
             **self._formatter_fields(response_id, request.logprobs is not None),
-            echo_texts=prompt_texts if request.echo else None,
+            echo_prompts=echoes if request.echo else None,
             n=engine_requests[0].sampling_params.n,
         )
         return Prepared.of(formatter, engine_requests, request)
@@ -380,6 +396,7 @@ class OpenAIServing:
                     if choice.finish_reason is not None:
                         continue  # stopped here by a stop string; the engine may lag a step
                     delta = choice.advance(completion)
+                    delta.prompt_logprobs = output.prompt_logprobs  # once, with the first
                     if delta.finish_reason == "stop" and choice.detokenizer.is_stopped:
                         await self.engine.abort(request.request_id, completion.index)
                     yield delta

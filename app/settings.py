@@ -49,6 +49,16 @@ class ServerSettings(BaseModel):
     log_format: Literal["text", "json"] = "text"
     log_prompts: bool = False
     cors_allow_origins: tuple[str, ...] = ()
+    # Caps on what one request may ask for (app/limits.py); over one: a 400 naming the field.
+    max_n: int = Field(default=128, ge=1)
+    max_output_tokens: int = Field(default=32768, ge=1)
+    max_prompts: int = Field(default=64, ge=1)
+    max_messages: int = Field(default=2048, ge=1)
+    max_stop_strings: int = Field(default=16, ge=0)
+    max_stop_string_chars: int = Field(default=512, ge=1)
+    max_logit_bias_entries: int = Field(default=300, ge=0)
+    max_top_logprobs: int = Field(default=20, ge=0, le=20)
+    max_tools: int = Field(default=128, ge=1)
 
 
 class Settings(BaseModel):
@@ -83,6 +93,8 @@ def _parse_flat(value: str, key: str) -> Any:
     """Env/CLI values arrive as strings; pydantic coerces numbers and booleans from them."""
     if key in _LIST_KEYS:
         return tuple(item.strip() for item in value.split(",") if item.strip())
+    if key in CHOICES and value.strip() in CHOICES[key]:
+        return value.strip()  # a named choice, even one spelled "none" (quantization: none)
     if value.strip().lower() in _NONE_WORDS:
         return None
     return value

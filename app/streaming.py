@@ -45,14 +45,17 @@ def sse_event(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def sse_events(chunks: AsyncIterator[dict], keepalive_seconds: float) -> AsyncIterator[bytes]:
+async def sse_events(
+    chunks: AsyncIterator[dict], keepalive_seconds: float, stop: asyncio.Event | None = None
+) -> AsyncIterator[bytes]:
     """Chunks as SSE events, keep-alive comments while idle, then `data: [DONE]`.
 
     An error after the stream has begun (the 200 is already sent) goes out as one event in
-    the OpenAI error shape, {"error": {...}}, followed by [DONE].
+    the OpenAI error shape, {"error": {...}}, followed by [DONE]; so does `stop` being set
+    (the server's shutdown grace period is over), which ends the stream at once.
     """
     try:
-        async with aclosing(with_keepalive(chunks, keepalive_seconds)) as items:
+        async with aclosing(with_keepalive(chunks, keepalive_seconds, stop)) as items:
             async for chunk in items:
                 yield KEEPALIVE if chunk is None else sse_event(chunk)
     except APIError as e:
@@ -80,24 +83,36 @@ class SSEResponse(StreamingResponse):
                     await aclose()
 
 
-def sse_response(chunks: AsyncIterator[dict], keepalive_seconds: float) -> StreamingResponse:
-    events = sse_events(chunks, keepalive_seconds)
+def sse_response(
+    chunks: AsyncIterator[dict], keepalive_seconds: float, stop: asyncio.Event | None = None
+) -> StreamingResponse:
+    events = sse_events(chunks, keepalive_seconds, stop)
     return SSEResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def with_keepalive(source: AsyncIterator[T], interval: float) -> AsyncIterator[T | None]:
-    """Items of `source`, and None whenever `interval` seconds pass without one.
+async def with_keepalive(
+    source: AsyncIterator[T], interval: float, stop: asyncio.Event | None = None
+) -> AsyncIterator[T | None]:
+    """Items of `source`, and None whenever `interval` seconds pass without one. Once `stop`
+    is set with no item ready, raises a 503 APIError (code "draining") instead of waiting on.
 
     The pending __anext__ runs as its own task so that waiting with a timeout never
     cancels the source; leaving early cancels that task and closes the source.
     """
     pending: asyncio.Future[T] | None = None
+    stopped = None if stop is None else asyncio.ensure_future(stop.wait())
     try:
         while True:
             if pending is None:
                 pending = asyncio.ensure_future(source.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
+            waiting = {pending} if stopped is None else {pending, stopped}
+            done, _ = await asyncio.wait(
+                waiting, timeout=interval, return_when=asyncio.FIRST_COMPLETED
+            )
+            if pending not in done:
+                if stopped in done:
+                    message = "The server shut down before this stream finished."
+                    raise APIError(503, message, type=SERVER_ERROR, code="draining")
                 yield None
                 continue
             finished, pending = pending, None
@@ -108,6 +123,8 @@ async def with_keepalive(source: AsyncIterator[T], interval: float) -> AsyncIter
             yield item
     finally:
         with anyio.CancelScope(shield=True):
+            if stopped is not None:
+                stopped.cancel()
             if pending is not None:
                 pending.cancel()
                 await asyncio.gather(pending, return_exceptions=True)
@@ -185,15 +202,17 @@ async def respond(
     chunks: Callable[[], AsyncIterator[dict]],
     complete: Callable[[], Awaitable[BaseModel]],
     keepalive_seconds: float,
+    stop: asyncio.Event | None = None,
 ) -> Response:
     """Answer a generation request as SSE (stream: the `chunks()` events) or as one JSON
     body (`complete()`); only the one chosen is called. The callables are how the serving
     layer plugs in: this module imports no app/serving.py.
 
-    Either way a client that disconnects cancels the work, which aborts it in the engine.
+    Either way a client that disconnects cancels the work, which aborts it in the engine;
+    a stream also ends when `stop` is set (see sse_events).
     """
     if stream:
-        return sse_response(chunks(), keepalive_seconds)
+        return sse_response(chunks(), keepalive_seconds, stop)
     try:
         response = await cancel_on_disconnect(request.receive, complete())
     except ClientDisconnected:

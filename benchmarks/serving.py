@@ -11,7 +11,8 @@ the fraction of prompt tokens served from the prefix cache is reported too.
 Output length is fixed with `ignore_eos` + `max_tokens` (kvshare and vLLM accept it); pass
 `--no-extensions` for servers that reject non-OpenAI fields. The run is bounded: at most
 --num-requests requests, and everything still running after --timeout seconds is cancelled
-and counted as unfinished. It is a client only: it starts no server.
+and counted as unfinished. Its command line is a client only: it starts no server
+(start_server/stop_server serve the drivers that do, such as benchmarks/vs_llama_server.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import random
+import signal
+import socket
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -341,7 +346,8 @@ def _read_chunk(chunk: dict, result: RequestResult, now: float, token_times: lis
         details = usage.get("prompt_tokens_details") or {}
         result.cached_tokens = details.get("cached_tokens") or 0
     for choice in chunk.get("choices") or []:
-        content = (choice.get("delta") or {}).get("content")
+        # Chat chunks carry delta.content; legacy completions chunks carry text.
+        content = (choice.get("delta") or {}).get("content") or choice.get("text")
         if content:
             token_times.append(now)
             result.text += content
@@ -476,6 +482,56 @@ async def _launch(
             group.create_task(
                 _run_conversation(client, config, model, conversation, limiter, results)
             )
+
+
+# ---------------------------------------------------------------- server processes
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(
+    command: list[str],
+    ready_url: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600.0,
+    log: Path | None = None,
+) -> subprocess.Popen:
+    """Start a server process and wait until GET ready_url answers 200 (raise if it exits or
+    the time runs out, after stopping it). Its output goes to `log` (default: discarded)."""
+    sink = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    process = subprocess.Popen(
+        command, cwd=cwd, env={**os.environ, **(env or {})}, stdout=sink, stderr=sink
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if httpx.get(ready_url, timeout=2.0, trust_env=False).status_code == 200:
+                    return process
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+    except BaseException:  # Ctrl-C while waiting: the server must not outlive the driver
+        stop_server(process)
+        raise
+    stop_server(process)
+    raise RuntimeError(f"{command[0]} did not become ready at {ready_url} (log: {log})")
+
+
+def stop_server(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGINT (a graceful stop), then SIGKILL after timeout_s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 # ---------------------------------------------------------------- command line

@@ -24,6 +24,7 @@ from engine.core.protocol import (
 )
 from engine.core.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
+from engine.core.spec_ngram import NgramProposer
 from engine.core.validation import validate_request
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache_manager import KVCacheManager
@@ -107,7 +108,10 @@ class LLMEngine:
         pool = BlockPool(self.runner.num_kv_blocks, self.runner.block_size)
         sink = self._kv_events.append if self.kv_event_publisher is not None else None
         return KVCacheManager(
-            pool, enable_prefix_cache=self.config.enable_prefix_cache, kv_event_sink=sink
+            pool,
+            enable_prefix_cache=self.config.enable_prefix_cache,
+            kv_event_sink=sink,
+            max_cached_blocks_per_namespace=self.config.max_cached_blocks_per_namespace,
         )
 
     def _build_scheduler(self) -> Scheduler:
@@ -120,6 +124,17 @@ class LLMEngine:
             weights_version=self.model_info.weights_version,
             scheduling_policy=self.config.scheduling_policy,
             record_cache_hits=self.config.audit_sample_rate > 0,
+            proposer=self._build_proposer(),
+        )
+
+    def _build_proposer(self) -> NgramProposer | None:
+        config = self.config
+        if config.speculative_ngram_tokens == 0:
+            return None
+        return NgramProposer(
+            config.speculative_ngram_tokens,
+            config.speculative_ngram_min,
+            config.speculative_ngram_max,
         )
 
     # -- requests -----------------------------------------------------------------------

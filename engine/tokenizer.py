@@ -27,6 +27,7 @@ from engine.core.errors import KVShareError
 # gets its leading space right with SentencePiece-style tokenizers.
 _NUM_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
+_LONG_TEXT_CHARS = 16 * 1024  # above this, encode() lets other threads run (see there)
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -154,6 +155,11 @@ class Tokenizer:
     # -- text <-> ids ---------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > _LONG_TEXT_CHARS:
+            # encode_batch releases the GIL (encode holds it: ~1 s per MiB), so a long prompt
+            # tokenized in a worker thread leaves the server's event loop free meanwhile.
+            batch = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+            return batch[0].ids
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

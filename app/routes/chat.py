@@ -2,15 +2,20 @@
 
 from fastapi import APIRouter, Request, Response
 
-from app.protocol import ChatCompletionRequest
+from app.openapi import stream_responses
+from app.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
 from app.routes.deps import AdmittedServing, Record, respond_to
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses=stream_responses(ChatCompletionResponse, ChatCompletionChunk),
+)
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, serving: AdmittedServing, record: Record
 ) -> Response:
-    prepared = serving.prepare_chat(body, record)
+    prepared = await serving.prepare(body, record)  # in a worker thread
     return await respond_to(request, serving, prepared, record, stream=bool(body.stream))

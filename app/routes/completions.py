@@ -2,15 +2,20 @@
 
 from fastapi import APIRouter, Request, Response
 
-from app.protocol import CompletionRequest
+from app.openapi import stream_responses
+from app.protocol import CompletionRequest, CompletionResponse
 from app.routes.deps import AdmittedServing, Record, respond_to
 
 router = APIRouter()
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses=stream_responses(CompletionResponse, CompletionResponse),
+)
 async def create_completion(
     body: CompletionRequest, request: Request, serving: AdmittedServing, record: Record
 ) -> Response:
-    prepared = serving.prepare_completion(body, record)
+    prepared = await serving.prepare(body, record)  # in a worker thread
     return await respond_to(request, serving, prepared, record, stream=bool(body.stream))

@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Request, Response
 
 from app.errors import SERVER_ERROR, APIError
+from app.limits import RequestLimits
 from app.metrics import ServerMetrics
 from app.serving import OpenAIServing, Prepared, RequestRecord, ServedModel
 from app.settings import Settings
@@ -33,6 +34,7 @@ class ServerState:
         self.metrics = metrics
         self.serving: OpenAIServing | None = None
         self.is_draining = False
+        self.is_grace_over = asyncio.Event()  # set when the drain's grace ends: streams end now
         self.num_in_flight = 0  # /v1/ requests not yet fully answered (see server.py)
         self.load_error: str | None = None
 
@@ -53,7 +55,10 @@ class ServerState:
             return
         name = self.settings.server.served_model_name or info.name
         model = ServedModel(name=name, info=info, tokenizer=tokenizer)
-        self.serving = OpenAIServing(self.engine, model, self.settings.server, self.metrics)
+        limits = RequestLimits.of(self.settings.server, self.settings.engine.max_schema_bytes)
+        self.serving = OpenAIServing(
+            self.engine, model, self.settings.server, self.metrics, limits=limits
+        )
         logger.info("ready: serving %s (context %d tokens)", name, info.max_model_len)
 
     def not_ready_reason(self) -> str | None:
@@ -137,6 +142,7 @@ async def respond_to(
         chunks=lambda: serving.stream(prepared, record),
         complete=lambda: serving.complete(prepared, record),
         keepalive_seconds=serving.settings.keepalive_seconds,
+        stop=get_state(request).is_grace_over,
     )
 
 

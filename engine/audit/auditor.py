@@ -28,6 +28,8 @@ Tolerances are per dtype (EngineConfig.audit_tolerance_*): float32 1e-3, float16
 in 13-token ones), normal traffic reaches float32 5e-6, float16 0.016, bfloat16 0.071, while
 KV of other tokens (a wrong block) gives 1.5 and noise 4: each threshold sits between, with a
 margin of 3x or more on both sides (200x and 1000x in float32).
+Under quantization int8 the threshold is audit_tolerance_int8 (0.35): chunking reaches 0.17 there
+(activation codes rounding the other way), wrong KV 0.71; fp16 weights keep float32's (2e-6).
 
 On corruption the blocks whose error is beyond tolerance (all reused blocks when only the
 logits are) are quarantined: KVCacheManager.quarantine() drops them from the tree with every
@@ -131,6 +133,15 @@ def is_sampled(request_id: str, sample_rate: float) -> bool:
     return int.from_bytes(digest, "big") < sample_rate * 2**64
 
 
+def audit_tolerance(config: EngineConfig, dtype: torch.dtype) -> float:
+    """The corruption threshold: per dtype, or audit_tolerance_int8 under quantization int8,
+    whose activation rounding turns the chunking's fp32 differences into whole code steps.
+    fp16 weights keep fp32 activations and sums: float32's threshold (measured alike)."""
+    if config.quantization == "int8":
+        return config.audit_tolerance_int8
+    return config.audit_tolerance(str(dtype).removeprefix("torch."))
+
+
 class Auditor:
     """Owned by LLMEngine, driven on the engine thread: start() with the cache hits of each
     schedule() (before the runner executes, so that their logits are captured), run() after
@@ -146,7 +157,7 @@ class Auditor:
         self.sample_rate = config.audit_sample_rate
         self.max_tokens_per_step = config.audit_max_tokens_per_step
         self.max_pending = config.audit_max_pending
-        self.tolerance = config.audit_tolerance(str(runner.dtype).removeprefix("torch."))
+        self.tolerance = audit_tolerance(config, runner.dtype)
         epsilon = torch.finfo(runner.dtype).eps
         self.clean_tolerance = min(CLEAN_ULPS * epsilon, self.tolerance / 10)
         self.runner = runner

@@ -30,6 +30,20 @@ class SampleSpec:
 
 
 @dataclass
+class PromptLogprobsSpec:
+    """Score prompt tokens at this chunk's positions (echo with logprobs).
+
+    The chunk's rows row_offset, row_offset + 1, ... (row r is position start_pos + r, whose
+    logits predict the token after it) give the logprobs of target_token_ids, in order,
+    each with its num_top best alternatives.
+    """
+
+    num_top: int
+    row_offset: int
+    target_token_ids: list[int]
+
+
+@dataclass
 class ScheduledSeq:
     """One sequence's share of the flattened batch."""
 
@@ -38,6 +52,10 @@ class ScheduledSeq:
     start_pos: int  # position of token_ids[0] == tokens already in the KV cache
     block_ids: list[int]  # block table covering start_pos + len(token_ids) tokens
     sample: SampleSpec | None = None  # None: a prefill chunk that does not reach the end
+    prompt_logprobs: PromptLogprobsSpec | None = None  # prompt tokens this chunk scores
+    # Speculative decoding: draft tokens after the last one (token_ids ends with them); the
+    # runner samples at each of the 1 + len(draft) positions (engine/core/spec_ngram.py).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +110,9 @@ class SampledToken:
 
 @dataclass
 class ModelRunnerOutput:
-    """seq_id -> one SampledToken per seed of its SampleSpec (in order)."""
+    """seq_id -> one SampledToken per seed of its SampleSpec (in order; with a draft, one per
+    verified position instead: 1 + len(draft_token_ids)); prompt_logprobs:
+    seq_id -> one SampledToken per target of its PromptLogprobsSpec (the target's logprob)."""
 
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)

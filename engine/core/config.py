@@ -13,6 +13,9 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine/runtime/attention/select.py
 SCHEDULING_POLICIES = ("fcfs", "longest-prefix-first")  # see engine/core/admission.py
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+# none: exact (the oracle for every equality test); fp16: fp16 weights, fp32 math; int8: int8
+# weights and per-token int8 activations. CPU float32 only (engine/runtime/cpu/quant.py).
+QUANTIZATIONS = ("none", "fp16", "int8")
 # config key -> the values it may take
 CHOICES: dict[str, tuple[object, ...]] = {
     "dtype": DTYPES,
@@ -20,6 +23,7 @@ CHOICES: dict[str, tuple[object, ...]] = {
     "attention_backend": ATTENTION_BACKENDS,
     "scheduling_policy": SCHEDULING_POLICIES,
     "block_size": BLOCK_SIZES,
+    "quantization": QUANTIZATIONS,
 }
 
 
@@ -36,6 +40,7 @@ class EngineConfig:
     model: str | None = None  # HF dir, hub id (offline cache), .gguf file; None: embedded default
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda
+    quantization: str = "none"  # none (exact) | fp16 | int8 (CPU, float32 models)
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size in blocks; wins over the next two
     kv_cache_bytes: int | None = None  # pool size in bytes (CPU default: 1 GiB)
@@ -44,6 +49,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_cache: bool = True
+    # Per-namespace (tenant) cap on prefix-tree blocks: over it, a namespace's LRU blocks are
+    # evicted before anyone else's (engine/kv/namespace_quota.py). None: plain LRU for all.
+    max_cached_blocks_per_namespace: int | None = None
     scheduling_policy: str = "fcfs"  # fcfs | longest-prefix-first
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs
@@ -58,6 +66,7 @@ class EngineConfig:
     audit_tolerance_float32: float = 1e-3
     audit_tolerance_bfloat16: float = 0.25
     audit_tolerance_float16: float = 0.1
+    audit_tolerance_int8: float = 0.35  # quantization int8 (fp16 keeps float32's)
     enable_fault_injection: bool = False  # drills only: corrupt / mis-map cached blocks
     # KV cache events (engine/kv_event_publisher.py): a ZMQ PUB endpoint to bind, e.g.
     # "tcp://127.0.0.1:5557"; None or "" keeps them off (no socket, no hashing).
@@ -69,6 +78,12 @@ class EngineConfig:
     grammar_compile_timeout_seconds: float = 10.0
     max_schema_bytes: int = 64 * 1024  # a json_schema's canonical text, in bytes
     grammar_cache_size: int = 256  # compiled grammars kept (LRU)
+    # Speculative decoding by n-gram prompt lookup (engine/core/spec_ngram.py): up to this many
+    # draft tokens per decode step (0: off), found by matching the last min..max tokens
+    # earlier in the sequence's own context; exact (the kept tokens are the target's own).
+    speculative_ngram_tokens: int = 0
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
 
     def __post_init__(self) -> None:
         checks = [
@@ -88,6 +103,12 @@ class EngineConfig:
                 "must be in (0, 1]",
             ),
             (self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1"),
+            (
+                self.max_cached_blocks_per_namespace is None
+                or self.max_cached_blocks_per_namespace >= 1,
+                "max_cached_blocks_per_namespace",
+                "must be >= 1 (null: no cap)",
+            ),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
             *(
                 (getattr(self, name) in choices, name, _one_of(choices))
@@ -103,7 +124,10 @@ class EngineConfig:
             (self.audit_max_pending >= 1, "audit_max_pending", "must be >= 1"),
             *(
                 (getattr(self, name) > 0.0, name, "must be > 0")
-                for name in (f"audit_tolerance_{dtype}" for dtype in TORCH_DTYPES)
+                for name in (
+                    *(f"audit_tolerance_{d}" for d in TORCH_DTYPES),
+                    "audit_tolerance_int8",
+                )
             ),
             (
                 not self.kv_events_endpoint or "://" in self.kv_events_endpoint,
@@ -118,6 +142,13 @@ class EngineConfig:
             ),
             (self.max_schema_bytes >= 1, "max_schema_bytes", "must be >= 1"),
             (self.grammar_cache_size >= 1, "grammar_cache_size", "must be >= 1"),
+            (self.speculative_ngram_tokens >= 0, "speculative_ngram_tokens", "must be >= 0"),
+            (self.speculative_ngram_min >= 1, "speculative_ngram_min", "must be >= 1"),
+            (
+                self.speculative_ngram_max >= self.speculative_ngram_min,
+                "speculative_ngram_max",
+                "must be >= speculative_ngram_min",
+            ),
         ]
         for ok, name, rule in checks:
             if not ok:

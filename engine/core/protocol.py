@@ -61,6 +61,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0
     error: str | None = None
+    # sampling_params.prompt_logprobs: prompt tokens 1.. (the first has no logits before
+    # it), once, in the first delta after the whole prompt was scored (with its first tokens).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ class EngineStats:
     num_audits_dropped: int = 0
     num_quarantined_blocks: int = 0
     num_write_violations: int = 0  # slot mappings that targeted a shared / cached block
+    num_spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_spec_accepted_tokens: int = 0  # of those, kept (the target chose the same token)
     num_kv_events_published: int = 0  # KV cache events sent (kv_events_endpoint set)
     num_kv_events_dropped: int = 0  # KV cache events dropped: the publisher's queue was full
     # What the step that published this snapshot did: each snapshot is delivered once, so a

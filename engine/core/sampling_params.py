@@ -54,8 +54,12 @@ class SamplingParams:
     """How one request samples. `temperature == 0` means greedy.
 
     `logprobs` is None for no logprobs, else the number of top alternatives (0..20) to
-    return beside the sampled token's own logprob. `stop` strings are matched on text by
-    the detokenizer (engine/tokenizer.py), not by the scheduler.
+    return beside the sampled token's own logprob. `prompt_logprobs` (echo with logprobs)
+    is the same for every prompt token but the first: its logprob under the logits of the
+    position before it; a request that asks reuses no cached KV (cached positions have no
+    logits). `max_tokens == 0` computes (and caches) the prompt and generates nothing: a
+    scoring request. `stop` strings are matched on text by the detokenizer
+    (engine/tokenizer.py), not by the scheduler.
     """
 
     n: int = 1
@@ -74,12 +78,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured: StructuredOutput | None = None  # grammar-constrained output (None: free text)
 
     def __post_init__(self) -> None:
         _check(self.n >= 1, "n", f"n must be >= 1, got {self.n}")
         _check(
-            self.max_tokens >= 1, "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"
+            self.max_tokens >= 0, "max_tokens", f"max_tokens must be >= 0, got {self.max_tokens}"
         )
         _check(
             self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"
@@ -124,6 +129,11 @@ class SamplingParams:
             self.logprobs is None or 0 <= self.logprobs <= 20,
             "logprobs",
             f"logprobs must be in [0, 20], got {self.logprobs}",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
         )
         _check(all(s for s in self.stop), "stop", "stop strings must not be empty")
 

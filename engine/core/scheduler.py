@@ -34,24 +34,14 @@ from engine.core.protocol import (
     FinishReason,
     RequestOutput,
 )
+from engine.core.scheduler_stats import SchedulerCounters, engine_stats
 from engine.core.seeds import random_seed
 from engine.core.sequence import Request, Sequence, SequenceStatus, make_namespace
+from engine.core.spec_ngram import NgramProposer
+from engine.core.spec_scheduling import SpecScheduling
 from engine.kv.kv_cache_manager import KVCacheManager, WriteViolation
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerCounters:
-    """Monotonic counters for EngineStats."""
-
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens of added requests
-    num_prefill_tokens: int = 0  # tokens computed in prefill chunks, recomputation included
-    num_generation_tokens: int = 0  # sampled tokens, every choice counted
-    prefix_cache_queries: int = 0  # prompt tokens looked up at first admission (cache on)
-    prefix_cache_hits: int = 0  # of those, tokens reused from the cache
-    num_write_violations: int = 0  # slot mappings into shared / cached blocks (requests failed)
 
 
 @dataclass(frozen=True)
@@ -93,6 +83,9 @@ class Scheduler:
     "fcfs" or "longest-prefix-first" (see admission.py). With record_cache_hits,
     every first admission that reuses cached tokens is kept as a CacheHit for
     take_cache_hits() (the engine drains them every step for the auditor).
+
+    With a `proposer`, decodes may carry a speculative draft: what is drafted and what a
+    verified step keeps is decided in engine/core/spec_scheduling.py.
     """
 
     def __init__(
@@ -106,6 +99,7 @@ class Scheduler:
         weights_version: str = "",
         scheduling_policy: str = "fcfs",
         record_cache_hits: bool = False,
+        proposer: NgramProposer | None = None,
     ) -> None:
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_model_len >= 2
         self.kv_cache_manager = kv_cache_manager
@@ -126,6 +120,7 @@ class Scheduler:
         self._num_steps = 0  # schedule() calls so far
         self.record_cache_hits = record_cache_hits
         self._cache_hits: list[CacheHit] = []
+        self.spec = SpecScheduling(proposer, kv_cache_manager, max_model_len)
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -165,31 +160,12 @@ class Scheduler:
         """Queue sizes, block usage, the leak count and counters: O(1) or O(live sequences),
         never a walk of the pool or the tree. Engine thread only (reads live state); fields
         the scheduler does not own (bytes_per_block, audits, the step) stay default."""
-        kv = self.kv_cache_manager
-        usage = kv.usage
-        counters = self.counters
-        return EngineStats(
-            num_running=self.num_running,
-            num_waiting=self.num_waiting,
-            num_total_blocks=usage.num_total_blocks,
-            num_free_blocks=usage.num_free_blocks,
-            num_private_blocks=usage.num_private_blocks,
-            num_shared_blocks=usage.num_shared_blocks,
-            num_cached_blocks=usage.num_cached_blocks,
-            block_size=kv.block_size,
-            kv_usage_watermark=usage.usage_watermark,
-            kv_fragmentation_ratio=usage.fragmentation_ratio,
-            num_preemptions=counters.num_preemptions,
-            num_prompt_tokens=counters.num_prompt_tokens,
-            num_prefill_tokens=counters.num_prefill_tokens,
-            num_generation_tokens=counters.num_generation_tokens,
-            num_cow_copies=kv.num_cow_copies,
-            num_evictions=kv.num_evictions,
-            prefix_cache_queries=counters.prefix_cache_queries,
-            prefix_cache_hits=counters.prefix_cache_hits,
-            num_quarantined_blocks=kv.num_quarantined_blocks,
-            num_write_violations=counters.num_write_violations,
-            num_leaked_blocks=self.num_leaked_blocks(),
+        return engine_stats(
+            self.counters,
+            self.kv_cache_manager,
+            self.num_running,
+            self.num_waiting,
+            self.num_leaked_blocks(),
         )
 
     # -- requests in and out -------------------------------------------------------------------
@@ -213,6 +189,7 @@ class Scheduler:
             num_choices=params.n,
             cache_namespace=make_namespace(self.weights_version, None, request.cache_salt),
             arrival_step=self._num_steps,
+            prompt_logprobs=[] if params.prompt_logprobs is not None else None,
         )
         self._requests[request.request_id] = Request(request, seed, [seq])
         self._seqs[seq.seq_id] = seq
@@ -284,8 +261,18 @@ class Scheduler:
             seq = self._seqs.get(scheduled.seq_id)
             if seq is None:
                 continue
+            if scheduled.draft_token_ids:
+                completion = self._verify(seq, scheduled, runner_output)
+                completions.setdefault(seq.request_id, []).append(completion)
+                continue
             self.kv_cache_manager.insert_prefix(seq)  # its chunk is computed: cache full blocks
+            if scheduled.prompt_logprobs is not None:
+                seq.add_prompt_logprobs(runner_output.prompt_logprobs[seq.seq_id])
             if scheduled.sample is None:
+                if seq.is_prompt_only and seq.num_uncomputed_tokens == 0:
+                    completions.setdefault(seq.request_id, []).extend(
+                        self._finish_quietly(seq, FinishReason.LENGTH)
+                    )
                 continue
             sampled = self._sampled_tokens(runner_output, seq)
             for choice_seq, token in zip(self._fork(seq), sampled, strict=True):
@@ -313,12 +300,26 @@ class Scheduler:
 
     # -- schedule phases -------------------------------------------------------------------
     def _schedule_decodes(self, step: _Step) -> None:
+        """One token per decoding sequence; those with a draft come after the plain decodes
+        (their 1 + k tokens are verified like a prefill chunk)."""
+        drafted: list[tuple[Sequence, list[int]]] = []
         for seq in list(self._running):
             if step.budget == 0:
                 break
-            if seq.is_decoding and self._reserve_slots(step, seq, 1):
+            if not seq.is_decoding:
+                continue
+            draft = self.spec.draft(seq, step.budget - 1)
+            if draft:
+                drafted.append((seq, draft))
+            elif self._reserve_slots(step, seq, 1):
                 self._add_chunk(step, seq, 1)
         step.output.num_decodes = len(step.output.seqs)
+        for seq, draft in drafted:
+            if seq.status is not SequenceStatus.RUNNING or step.budget == 0:
+                continue  # preempted for an older sequence's slots, or no budget left
+            draft = self.spec.fit(seq, draft, step.budget)
+            if self._reserve_slots(step, seq, 1 + len(draft)):
+                self._add_chunk(step, seq, 1 + len(draft), draft)
 
     def _schedule_running_prefills(self, step: _Step) -> None:
         for seq in list(self._running):
@@ -394,8 +395,13 @@ class Scheduler:
         self._waiting.appendleft(seq)
         self.counters.num_preemptions += 1
 
-    def _add_chunk(self, step: _Step, seq: Sequence, num_tokens: int) -> None:
+    def _add_chunk(
+        self, step: _Step, seq: Sequence, num_tokens: int, draft: list[int] | None = None
+    ) -> None:
+        """Schedule seq's next num_tokens positions: its own tokens, then `draft` (whose
+        positions count as computed until update_from_output keeps or gives them back)."""
         assert num_tokens >= 1
+        draft = draft or []
         try:
             slots = self.kv_cache_manager.slot_mapping(seq, num_tokens)
         except WriteViolation as violation:  # not scheduled; its request fails after admission
@@ -405,10 +411,17 @@ class Scheduler:
         start = seq.num_computed_tokens
         is_prefill = not seq.is_decoding
         end = start + num_tokens
-        sample = seq.sample_spec() if end == seq.num_tokens else None
+        own_end = end - len(draft)
+        is_last = own_end == seq.num_tokens and not seq.is_prompt_only
         step.output.seqs.append(
             ScheduledSeq(
-                seq.seq_id, seq.token_slice(start, end), start, list(seq.block_ids), sample
+                seq.seq_id,
+                seq.token_slice(start, own_end) + draft,
+                start,
+                list(seq.block_ids),
+                seq.sample_spec() if is_last else None,
+                seq.prompt_logprobs_spec(start, end),
+                draft,
             )
         )
         step.output.slot_mapping.extend(slots)
@@ -476,6 +489,14 @@ class Scheduler:
                 f"expected {seq.num_choices} sampled token(s)"
             )
         return sampled
+
+    def _verify(
+        self, seq: Sequence, scheduled: ScheduledSeq, runner_output: ModelRunnerOutput
+    ) -> CompletionOutput:
+        completion, num_kept = self.spec.verify(seq, scheduled, runner_output, self._append_token)
+        self.counters.num_spec_draft_tokens += len(scheduled.draft_token_ids)
+        self.counters.num_spec_accepted_tokens += num_kept
+        return completion
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """[seq] for one choice; at an n-choice parent's first sample, its n choices."""

@@ -1,6 +1,6 @@
 """Seeds and counter-based random keys (torch-free): splitmix64 on python ints.
 
-Invariant 4 (DESIGN.md): a draw is a pure function of (seed, t). This module is the one
+Invariant 4 (the README): a draw is a pure function of (seed, t). This module is the one
 definition of the seed range and of the mixing function; engine/runtime/sampler.py runs the
 same finaliser on int64 tensors, and a test compares it against mix64() here.
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.core.batch import SampledToken, SampleSpec
+from engine.core.batch import PromptLogprobsSpec, SampledToken, SampleSpec
 from engine.core.protocol import (
     CompletionOutput,
     EngineRequest,
@@ -70,6 +70,13 @@ class Sequence:
     num_cached_tokens: int = 0
     was_admitted: bool = False  # admitted at least once (num_cached_tokens is final)
     arrival_step: int = 0  # the scheduler step it arrived at, for the waiting-age bound
+    # sampling_params.prompt_logprobs: the logprobs of prompt tokens 1, 2, ... scored so far
+    # (kept across preemptions: those positions are not scored again). None: not asked.
+    prompt_logprobs: list[TokenLogprob] | None = None
+    # Speculative decoding: drafts rejected outright in a row, and the decode steps left
+    # before the next draft (a context that drafts badly stops paying for verification).
+    num_spec_misses: int = 0
+    num_spec_steps_skipped: int = 0
 
     # -- token counts -------------------------------------------------------------------
     @property
@@ -87,6 +94,27 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """Leading tokens admit() may take from the prefix cache: all but the last (it is
+        computed for its logits), and while prompt tokens are still to be scored, none
+        whose logits are still owed: cached positions have KV but no logits."""
+        limit = self.num_tokens - 1
+        if self.prompt_logprobs is not None and not self.has_scored_prompt:
+            limit = min(limit, len(self.prompt_logprobs))  # position d scores token d + 1
+        return limit
+
+    @property
+    def has_scored_prompt(self) -> bool:
+        """Every prompt token but the first has its logprob (when they were asked for)."""
+        scored = self.prompt_logprobs
+        return scored is not None and len(scored) == self.num_prompt_tokens - 1
+
+    @property
+    def is_prompt_only(self) -> bool:
+        """max_tokens 0: the prompt is computed (and scored, cached), nothing is sampled."""
+        return self.sampling_params.max_tokens == 0
 
     def token_ids(self) -> list[int]:
         """A new list: prompt then outputs."""
@@ -124,6 +152,41 @@ class Sequence:
             and bool(self.output_token_ids)
             and self.num_computed_tokens == self.num_tokens - 1
         )
+
+    def prompt_logprobs_spec(self, start: int, end: int) -> PromptLogprobsSpec | None:
+        """The prompt tokens a chunk over positions [start, end) scores, if any is owed.
+
+        Row r (position start + r) predicts token start + r + 1; tokens already scored (a
+        chunk recomputed after a preemption) are skipped, never scored twice."""
+        if self.prompt_logprobs is None or self.has_scored_prompt:
+            return None
+        first = len(self.prompt_logprobs) + 1  # the next prompt token to score
+        last = min(end, self.num_prompt_tokens - 1)
+        assert start < first, f"seq {self.seq_id}: position {first - 1} was reused unscored"
+        if last < first:
+            return None
+        num_top = self.sampling_params.prompt_logprobs or 0
+        targets = self.prompt_token_ids[first : last + 1]
+        return PromptLogprobsSpec(num_top, first - 1 - start, targets)
+
+    def add_prompt_logprobs(self, scored: list[SampledToken]) -> None:
+        assert self.prompt_logprobs is not None, f"seq {self.seq_id} did not ask to score"
+        self.prompt_logprobs += [
+            TokenLogprob(s.token_id, s.logprob, list(s.top_logprobs)) for s in scored
+        ]
+        assert len(self.prompt_logprobs) <= self.num_prompt_tokens - 1
+
+    def may_draft(self) -> bool:
+        """Whether this decode step may try a draft (one step fewer to wait, if not)."""
+        if self.num_spec_steps_skipped > 0:
+            self.num_spec_steps_skipped -= 1
+            return False
+        return True
+
+    def record_draft(self, num_kept: int) -> None:
+        """After r drafts in a row kept nothing, skip the next 2**r - 1 steps (up to 15)."""
+        self.num_spec_misses = 0 if num_kept else self.num_spec_misses + 1
+        self.num_spec_steps_skipped = (1 << min(self.num_spec_misses, 4)) - 1
 
     def sample_seeds(self) -> list[int]:
         """One seed per token drawn at this sequence's next sample: n before the fork."""
@@ -235,6 +298,7 @@ class Request:
     engine_request: EngineRequest
     seed: int  # the request seed (given, or drawn at random when the request came in)
     sequences: list[Sequence] = field(default_factory=list)
+    has_sent_prompt_logprobs: bool = False
 
     @property
     def request_id(self) -> str:
@@ -268,7 +332,16 @@ class Request:
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
             error=error,
+            prompt_logprobs=self._take_prompt_logprobs(),
         )
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprob] | None:
+        """The scored prompt, once: in the first delta after the parent scored all of it."""
+        parent = self.sequences[0]  # the choice that computed the prompt (children fork later)
+        if self.has_sent_prompt_logprobs or not parent.has_scored_prompt:
+            return None
+        self.has_sent_prompt_logprobs = True
+        return list(parent.prompt_logprobs or [])
 
     def unfinished_sequences(self) -> list[Sequence]:
         return [seq for seq in self.sequences if not seq.is_finished]

@@ -28,7 +28,7 @@ from engine.core.intmath import cdiv
 from engine.core.sequence import Sequence
 from engine.kv.block_pool import BlockPool, BlockUsage
 from engine.kv.kv_events import KVEventSink
-from engine.kv.radix_cache import MatchResult, RadixCache, RadixNode
+from engine.kv.radix_cache import MatchResult, Namespace, RadixCache, RadixNode
 
 
 class WriteViolation(RuntimeError):
@@ -55,6 +55,9 @@ class KVCacheManager:
     unlocked cached blocks (LRU) before it reports failure. Without it, prefix_cache is None
     and admit() reuses nothing. kv_event_sink (with the cache on) receives the cache's KV events
     (engine/kv/kv_events.py) on the engine thread; None (the default) records nothing.
+    max_cached_blocks_per_namespace caps each namespace (tenant) under pressure: once one holds
+    more tree blocks than that, its least recently used ones are evicted before anyone else's
+    (engine/kv/namespace_quota.py); None: plain LRU over all namespaces.
 
     `pool` and `prefix_cache` are exposed for tests and checks; the scheduler, admission and
     the auditor use the methods below only. Every figure here is O(1) or O(live sequences):
@@ -66,11 +69,14 @@ class KVCacheManager:
         block_pool: BlockPool,
         enable_prefix_cache: bool = False,
         kv_event_sink: KVEventSink | None = None,
+        max_cached_blocks_per_namespace: int | None = None,
     ) -> None:
         self.pool = block_pool
         self.block_size = block_pool.block_size
         self.prefix_cache = (
-            RadixCache(block_pool, event_sink=kv_event_sink) if enable_prefix_cache else None
+            RadixCache(block_pool, kv_event_sink, max_cached_blocks_per_namespace)
+            if enable_prefix_cache
+            else None
         )
         self.num_cow_copies = 0  # copy-on-write copies, partial prefix blocks included
         self._pending_copies: list[BlockCopy] = []
@@ -116,6 +122,12 @@ class KVCacheManager:
         if not self.prefix_cache.is_recording_events:
             raise KVEventsDisabled("KV events are off: no block hashes are kept")
         return sorted(self.prefix_cache.block_hashes().values())
+
+    def num_cached_blocks_in(self, namespace: Namespace) -> int:
+        """Blocks the prefix tree holds for one namespace (0 with the cache off; no walk)."""
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.num_blocks_in_namespace(namespace)
 
     def recent_cached_path(self) -> list[int]:
         """The blocks of the most recently used cached path, from position 0."""
@@ -176,6 +188,18 @@ class KVCacheManager:
             slots.append(block_id * self.block_size + offset)
         return slots
 
+    def free_slots_past(self, seq: Sequence, num_tokens: int) -> None:
+        """Speculative tokens rejected: only seq's first num_tokens positions keep their KV.
+        Releases the whole blocks of its table past them (fresh private blocks of this step);
+        the stale slots past num_tokens in its last kept block are written again before
+        anyone reads them."""
+        num_blocks = self.num_blocks_for(num_tokens)
+        for block_id in seq.block_ids[num_blocks:]:
+            self._decref(block_id)
+        del seq.block_ids[num_blocks:]
+        if num_tokens % self.block_size:
+            self.pool.set_num_tokens(seq.block_ids[-1], num_tokens % self.block_size)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares parent's blocks: a copy of the block table, one more ref per block."""
         assert not child.block_ids, f"child seq {child.seq_id} already holds blocks"
@@ -219,7 +243,8 @@ class KVCacheManager:
         pool cannot hold it even after evicting.
 
         Reuse: seq's known tokens (prompt, plus outputs after a preemption) are matched with
-        a cap of num_tokens - 1, so at least one token is computed and yields logits. Full
+        a cap of seq.num_reusable_tokens (num_tokens - 1, so at least one token is computed
+        and yields logits; fewer while prompt positions are owed logits for scoring). Full
         cached blocks are shared (one more reference each, listed in the block table). A
         match ending inside a block gets a fresh private block and a BlockCopy(src=cached
         block, dst=new): only its first num_partial_tokens slots matter, the rest will be
@@ -377,7 +402,7 @@ class KVCacheManager:
         if self.prefix_cache is None:
             return None
         token_ids = seq.token_ids()
-        return self.prefix_cache.match(seq.cache_namespace, token_ids, len(token_ids) - 1)
+        return self.prefix_cache.match(seq.cache_namespace, token_ids, seq.num_reusable_tokens)
 
     def _num_trusted_blocks(self, seq: Sequence, num_blocks: int) -> int:
         """num_blocks, cut before seq's first quarantined block."""

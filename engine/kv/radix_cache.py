@@ -14,7 +14,9 @@ thread-safe: the engine thread is the only caller.
 
 Namespaces: one root per namespace key (engine.core.sequence.make_namespace). Nothing is
 ever shared across roots, so two tenants, adapters or weight versions never see each other's
-KV.
+KV. With max_cached_blocks_per_namespace, a namespace holding more tree blocks than that is
+over its cap and evict() takes its least recently used blocks before anyone else's
+(engine/kv/namespace_quota.py keeps the per-namespace counts and heaps).
 
 Running figures. The evictable count and the LRU heap of eviction candidates are kept up to
 date as blocks change state, so neither allocation nor a stats read walks the tree. A tree
@@ -32,18 +34,17 @@ nothing and reports nothing.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_events import KVEventRecorder, KVEventSink, chain_block_hashes, namespace_seed
+from engine.kv.namespace_quota import CandidateHeap, NamespaceQuota
 
 Namespace = Hashable
 
 _node_ids = count()
-_MIN_HEAP_TO_COMPACT = 64  # stale heap entries are dropped once they outnumber live ones
 
 
 @dataclass(eq=False)
@@ -69,6 +70,7 @@ class RadixNode:
     num_blocked_children: int = 0
     is_blocked: bool = False
     num_evictable_blocks: int = 0
+    namespace: Namespace = None  # the namespace of the tree the node belongs to
     node_id: int = field(default_factory=lambda: next(_node_ids))
 
 
@@ -115,7 +117,12 @@ class RadixCache:
       pressure evict(n): frees only blocks that no sequence holds and no lock covers.
     """
 
-    def __init__(self, pool: BlockPool, event_sink: KVEventSink | None = None) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        event_sink: KVEventSink | None = None,
+        max_cached_blocks_per_namespace: int | None = None,
+    ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self._events = None if event_sink is None else KVEventRecorder(event_sink, self.block_size)
@@ -128,7 +135,8 @@ class RadixCache:
         self._num_evictable = 0  # the sum of every node's num_evictable_blocks
         # Eviction candidates by (last_access, node_id); entries go stale when the node
         # changes and are skipped when popped (a lazy heap: no walk to rebuild it).
-        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._heap = CandidateHeap()
+        self._quota = NamespaceQuota(max_cached_blocks_per_namespace)
         pool.set_cached_listener(self._on_cached_change)
 
     # -- lookup -------------------------------------------------------------------------
@@ -218,7 +226,7 @@ class RadixCache:
                 f"got {len(token_ids)} tokens for {len(block_ids)} blocks"
             )
         self._clock += 1
-        node = self._roots.setdefault(namespace, RadixNode((), [], None, is_root=True))
+        node = self._roots.get(namespace) or self._new_root(namespace)
         index = 0
         while index < len(block_ids):
             child = node.children.get(tuple(token_ids[index * bs : (index + 1) * bs]))
@@ -239,11 +247,23 @@ class RadixCache:
             node = child
         return 0
 
+    def _new_root(self, namespace: Namespace) -> RadixNode:
+        root = RadixNode((), [], None, is_root=True, namespace=namespace)
+        self._roots[namespace] = root
+        return root
+
     def _add_leaf(
         self, parent: RadixNode, token_ids: Sequence[int], block_ids: Sequence[int]
     ) -> None:
         assert len(set(block_ids)) == len(block_ids), f"block listed twice: {list(block_ids)}"
-        leaf = RadixNode(tuple(token_ids), list(block_ids), parent, last_access=self._clock)
+        leaf = RadixNode(
+            tuple(token_ids),
+            list(block_ids),
+            parent,
+            last_access=self._clock,
+            namespace=parent.namespace,
+        )
+        self._quota.add_blocks(parent.namespace, len(block_ids))
         parent.children[leaf.token_ids[: self.block_size]] = leaf
         for index, block_id in enumerate(block_ids):
             assert not self.pool.is_tree_owned(block_id), f"block {block_id} is already cached"
@@ -268,6 +288,7 @@ class RadixCache:
             parent,
             lock_count=node.lock_count,
             last_access=node.last_access,
+            namespace=node.namespace,
         )
         parent.children[upper.token_ids[:bs]] = upper
         node.token_ids = node.token_ids[num_blocks * bs :]
@@ -357,15 +378,8 @@ class RadixCache:
         """Queue node for evict() if it is an eviction candidate now (duplicates are fine)."""
         if node is None or not self._is_candidate(node):
             return
-        if len(self._heap) > max(_MIN_HEAP_TO_COMPACT, 4 * len(self._node_of_block)):
-            self._compact_heap()
-        heapq.heappush(self._heap, (node.last_access, node.node_id, node))
-
-    def _compact_heap(self) -> None:
-        """Drop stale entries; amortised over the pushes that made them."""
-        live = {n.node_id: (a, i, n) for a, i, n in self._heap if self._is_current(a, n)}
-        self._heap = list(live.values())
-        heapq.heapify(self._heap)
+        self._heap.push(node, len(self._node_of_block), self._is_current)
+        self._quota.offer(node.namespace, node, self._is_current)
 
     def _is_current(self, last_access: int, node: RadixNode) -> bool:
         return last_access == node.last_access and self._is_candidate(node)
@@ -379,10 +393,10 @@ class RadixCache:
         the freed block ids, which are back on the pool's free list.
         """
         freed: list[int] = []
-        while self._heap and len(freed) < num_blocks:
-            last_access, _, node = heapq.heappop(self._heap)
-            if not self._is_current(last_access, node):
-                continue  # stale: the node changed since it was queued, or is gone
+        while len(freed) < num_blocks:
+            node = self._next_victim()
+            if node is None:
+                break
             block_id = node.block_ids[-1]
             next_candidate = self._detach(node) if len(node.block_ids) == 1 else node
             self._release_block(block_id)
@@ -394,6 +408,12 @@ class RadixCache:
         self.num_evictions += len(freed)
         self._flush_removed()
         return freed
+
+    def _next_victim(self) -> RadixNode | None:
+        """The leaf to trim next: the LRU one of the namespaces over their cap, if any of
+        them has one, else the LRU one of all (stale heap entries are skipped)."""
+        node = self._quota.pop_over_cap(self._is_current) if self._quota.has_cap else None
+        return node if node is not None else self._heap.pop(self._is_current)
 
     def _is_candidate(self, node: RadixNode) -> bool:
         """An attached, unlocked leaf whose tail block only the tree holds (a sequence that
@@ -486,6 +506,7 @@ class RadixCache:
         """Drop every namespace; returns all block ids the tree released."""
         released = [b for namespace in list(self._roots) for b in self._drop_tree(namespace)]
         self._heap.clear()  # every entry is stale now; keeps no detached node alive
+        self._quota.clear_heaps()
         if self._events is not None:
             self._events.cleared()
         return released
@@ -502,6 +523,7 @@ class RadixCache:
 
     def _release_block(self, block_id: int) -> None:
         """Drop the tree's reference; the caller takes the block off its edge and recounts."""
+        self._quota.remove_block(self._node_of_block[block_id].namespace)
         del self._node_of_block[block_id]
         del self._index_of_block[block_id]
         if self._events is not None:
@@ -569,6 +591,14 @@ class RadixCache:
                 stack.extend((child, chain[-1]) for child in node.children.values())
         return hashes
 
+    def num_blocks_in_namespace(self, namespace: Namespace) -> int:
+        """Tree blocks the namespace holds (kept up to date: no walk)."""
+        return self._quota.num_blocks(namespace)
+
+    def namespaces_over_cap(self) -> list[Namespace]:
+        """Namespaces holding more tree blocks than max_cached_blocks_per_namespace."""
+        return self._quota.namespaces_over_cap()
+
     @property
     def num_tree_blocks(self) -> int:
         return len(self._node_of_block)
@@ -614,12 +644,23 @@ class RadixCache:
             assert self._events.recorded_hashes() == self.block_hashes(), (
                 "KV event hashes out of sync with the tree"
             )
-        queued = {node.node_id for a, _, node in self._heap if self._is_current(a, node)}
-        for root in self._roots.values():
+        self._check_queues()
+
+    def _check_queues(self) -> None:
+        """Every eviction candidate is queued globally and, with a cap, in its namespace; the
+        per-namespace block counts equal a recount."""
+        queued = self._heap.queued_node_ids(self._is_current)
+        candidates = []
+        walked: dict[Namespace, int] = {}
+        for namespace, root in self._roots.items():
+            assert root.namespace == namespace, f"root of {namespace!r} is {root.namespace!r}"
             for node in self._preorder(root):
-                assert not self._is_candidate(node) or node.node_id in queued, (
-                    f"eviction candidate {node.node_id} is not queued"
-                )
+                assert node.namespace == namespace, f"node {node.node_id} in a wrong namespace"
+                walked[namespace] = walked.get(namespace, 0) + len(node.block_ids)
+                if self._is_candidate(node):
+                    assert node.node_id in queued, f"eviction candidate {node.node_id} not queued"
+                    candidates.append((namespace, node))
+        self._quota.check(walked, candidates, self._is_current)
 
     def _check_figures(self, node: RadixNode) -> None:
         """node's running figures equal a recount (the walk checks the total)."""

@@ -27,6 +27,7 @@ from torch import nn
 
 from engine.core.config import EngineConfig
 from engine.core.errors import ParamError
+from engine.runtime.cpu.quant import quantize_model
 from engine.runtime.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -69,13 +70,15 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     model = model_class(hf_config, max_model_len, device=device, dtype=dtype)
     model.load_weights(iter_weights(source.model_dir))
     model.eval()
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = sum(p.numel() for p in model.parameters())  # before int8 drops the fp32 ones
+    quantize_model(model, config.quantization, device, dtype)  # "none": untouched (exact)
     logger.info(
-        "loaded %s (%s, %.1fM parameters, %s) from %s in %.1fs",
+        "loaded %s (%s, %.1fM parameters, %s, quantization %s) from %s in %.1fs",
         source.name,
         model_class.__name__,
         num_params / 1e6,
         str(dtype).removeprefix("torch."),
+        config.quantization,
         source.model_dir,
         time.monotonic() - started,
     )

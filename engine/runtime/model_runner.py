@@ -19,6 +19,7 @@ from engine.core.config import EngineConfig
 from engine.core.intmath import cdiv
 from engine.core.protocol import ModelInfo
 from engine.core.sampling_params import SamplingParams
+from engine.core.spec_ngram import verify_specs
 from engine.runtime.attention.base import AttentionMetadata
 from engine.runtime.attention.select import get_attention_backend
 from engine.runtime.cpu.allocator import keep_temporaries_on_heap
@@ -28,6 +29,7 @@ from engine.runtime.cuda_graph_runner import CudaGraphRunner, graphs_disabled_re
 from engine.runtime.grammar import GrammarMatchers
 from engine.runtime.loader import kvshare_cache_dir, load_model
 from engine.runtime.models.llama import LlamaSpec
+from engine.runtime.prompt_logprobs import score_prompt_rows
 from engine.runtime.sampler import Sampler
 from engine.runtime.transfer import split_to_device
 
@@ -69,7 +71,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] flattened row of each sampled sequence's last token
+    # [S] flattened rows to sample: each sampled sequence's last token, or with a draft each
+    # of its 1 + k verified positions (sample_seq_ids then repeats its id)
+    logits_indices: torch.Tensor
     sample_seq_ids: list[int]
     sample_specs: list[SampleSpec]
 
@@ -80,14 +84,15 @@ def prepare_inputs(sched_out: SchedulerOutput, device: torch.device) -> StepInpu
     input_ids: list[int] = []
     positions: list[int] = []
     query_start_loc, seq_lens, logits_indices = [0], [], []
-    sampled = [(s.seq_id, s.sample) for s in seqs if s.sample is not None]
+    sampled = [(s.seq_id, spec) for s in seqs if s.sample is not None for spec in _row_specs(s)]
     for seq in seqs:
         input_ids += seq.token_ids
         positions += range(seq.start_pos, seq.context_len)
         query_start_loc.append(query_start_loc[-1] + seq.num_tokens)
         seq_lens.append(seq.context_len)
         if seq.sample is not None:
-            logits_indices.append(query_start_loc[-1] - 1)
+            end = query_start_loc[-1]
+            logits_indices += range(end - 1 - len(seq.draft_token_ids), end)
     _check_batch(sched_out, len(input_ids))
     width = max(len(seq.block_ids) for seq in seqs)
     tables = [b for seq in seqs for b in seq.block_ids + [0] * (width - len(seq.block_ids))]
@@ -107,6 +112,13 @@ def prepare_inputs(sched_out: SchedulerOutput, device: torch.device) -> StepInpu
         seq_lens_host=seq_lens,
     )
     return StepInputs(ids, pos, meta, logits_rows, [i for i, _ in sampled], [s for _, s in sampled])
+
+
+def _row_specs(seq: ScheduledSeq) -> list[SampleSpec]:
+    """The SampleSpec of each row seq samples: its last token's, or one per verified position."""
+    if seq.draft_token_ids:
+        return verify_specs(seq.sample, seq.draft_token_ids)
+    return [seq.sample]
 
 
 def _check_batch(sched_out: SchedulerOutput, num_tokens: int) -> None:
@@ -162,7 +174,8 @@ class ModelRunner:
         self.graph_runner = self._capture_cuda_graphs()  # needs the final pool: graphs keep it
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        """Apply copy-on-write copies, run the forward over the batch, sample its last tokens."""
+        """Apply copy-on-write copies, run the forward over the batch, sample its last tokens;
+        score the prompt positions of the chunks that ask (engine/runtime/prompt_logprobs.py)."""
         self.grammar_matchers.release(sched_out.finished_request_ids)
         if sched_out.block_copies:
             self._copy_blocks(sched_out.block_copies)
@@ -176,9 +189,13 @@ class ModelRunner:
             hidden = self.model(
                 inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.attn_backend
             )  # [T, E]
-            return self._sample(
+            output = self._sample(
                 hidden[inputs.logits_indices], inputs.sample_seq_ids, inputs.sample_specs
             )
+            output.prompt_logprobs = score_prompt_rows(
+                self.model.compute_logits, hidden, sched_out.seqs, inputs.meta.query_start_loc_host
+            )
+            return output
 
     def _sample(
         self, hidden: torch.Tensor, seq_ids: list[int], specs: list[SampleSpec]
@@ -189,8 +206,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # [S, V]
         if self._capture_seq_ids:
             self._capture_logits(logits, seq_ids, specs)
-        sampled = self.sampler(logits, specs)
-        return ModelRunnerOutput(dict(zip(seq_ids, sampled, strict=True)))
+        output = ModelRunnerOutput()
+        for seq_id, tokens in zip(seq_ids, self.sampler(logits, specs), strict=True):
+            output.sampled.setdefault(seq_id, []).extend(tokens)  # a draft's rows, in order
+        return output
 
     # -- cache audit --------------------------------------------------------------------------
     def capture_prompt_logits(self, seq_id: int) -> None:
@@ -282,7 +301,7 @@ class ModelRunner:
     def _load_model(self) -> None:
         loaded = load_model(self.config, self.device, self.dtype)
         self.model = loaded.model
-        if can_pack(self.device, self.dtype):
+        if can_pack(self.device, self.dtype) and self.config.quantization == "none":
             self.model.pack_for_cpu()  # oneDNN with packed weights: faster CPU matmuls
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len

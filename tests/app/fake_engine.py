@@ -148,6 +148,11 @@ class FakeEngine:
         done = [False] * params.n
         failure = self.failure
         try:
+            if params.max_tokens == 0:  # the prompt only (echo / scoring): no token
+                length = FinishReason.LENGTH
+                ends = [CompletionOutput(i, [], finish_reason=length) for i in range(params.n)]
+                yield self._output(request, ends, finished=True)
+                return
             for step in range(max(len(ids) for ids, _, _ in scripts)):
                 await self._between_steps(step)
                 if self._is_aborted(request.request_id, None):

@@ -1,6 +1,6 @@
 """Run `kvshare serve`'s server over the FakeEngine (for the SIGTERM test, in a subprocess).
 
-Usage: python serve_fake.py TOKENIZER_DIR STEP_DELAY_S
+Usage: python serve_fake.py TOKENIZER_DIR STEP_DELAY_S [SHUTDOWN_GRACE_S (30)]
 Prints the port it listens on, then serves until signalled.
 """
 
@@ -19,7 +19,8 @@ from app.settings import ServerSettings, Settings
 def main() -> None:
     engine = FakeEngine(sys.argv[1])
     engine.step_delay_s = float(sys.argv[2])
-    settings = Settings(server=ServerSettings(shutdown_grace_seconds=30.0))
+    grace_s = float(sys.argv[3]) if len(sys.argv) > 3 else 30.0
+    settings = Settings(server=ServerSettings(shutdown_grace_seconds=grace_s))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     print(listener.getsockname()[1], flush=True)

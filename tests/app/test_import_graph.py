@@ -1,6 +1,6 @@
 """app/ has no import cycle: every import counts, TYPE_CHECKING and function-level ones too.
 
-DESIGN.md: streaming.py imports no serving. A cycle hidden behind TYPE_CHECKING still ties
+The layout rule: streaming.py imports no serving. A cycle hidden behind TYPE_CHECKING still ties
 two modules together (and breaks at runtime the day someone drops the guard), so the checker
 reads the source with ast instead of importing it.
 """

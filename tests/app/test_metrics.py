@@ -1,4 +1,4 @@
-"""/metrics: every DESIGN.md metric, engine numbers refreshed at scrape time."""
+"""/metrics: every metric the README lists, engine numbers refreshed at scrape time."""
 
 from __future__ import annotations
 

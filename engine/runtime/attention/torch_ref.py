@@ -44,8 +44,10 @@ class TorchRefBackend:
         scale: float,
     ) -> torch.Tensor:
         """Causal attention of every query over its own sequence's paged context: [T, H, D]."""
-        output = torch.empty_like(query)
         num_decodes = meta.num_decodes
+        if num_decodes == meta.num_seqs:  # decode-only: no output buffer to copy into
+            return self._decode(query, k_cache, v_cache, meta, scale)
+        output = torch.empty_like(query)
         if num_decodes:
             output[:num_decodes] = self._decode(query[:num_decodes], k_cache, v_cache, meta, scale)
         for i in range(num_decodes, meta.num_seqs):

@@ -1,4 +1,6 @@
-"""The Llama block's elementwise ops fused on the CPU: RMSNorm, SiLU-and-multiply, rope.
+"""The Llama block's elementwise ops fused on the CPU: RMSNorm (alone or after the residual
+add), SiLU-and-multiply, rope (alone or on q and k with the KV store), and the LM head's
+matrix-vector product for a few rows.
 
 In torch each is a chain of small ops (an RMSNorm is eight, a rope seven), which at 32
 decoding sequences cost more in dispatch and passes over memory than in arithmetic. The
@@ -17,6 +19,10 @@ import torch
 from engine.runtime.cpu.native import DTYPE_CODES
 
 _LANES = 16  # the kernels' vector width in floats: row lengths must be multiples of it
+# The most rows gemv() takes: one row reads 113 MB of SmolLM2's LM head in 3.7-4.4 ms here
+# (1 thread, CPU time) against 6.4-6.7 ms through packed oneDNN, two rows 4.0 vs 8.3 ms; from
+# 3 rows on oneDNN is faster.
+GEMV_MAX_ROWS = 2
 
 
 class CpuFusedOps:
@@ -65,6 +71,75 @@ class CpuFusedOps:
         self._library.kvshare_rope(
             DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
             out.data_ptr(), num_tokens, num_heads, head_dim, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor | None:
+        """x [T, E] += delta (in place, the residual stream), then rms_norm(x): the normed
+        rows, as `x = x + delta; RMSNorm.forward(x)` computes them."""
+        if not (_covers(x, 2) and _covers(delta, 2) and _covers(weight, 1)):
+            return None
+        if delta.shape != x.shape or delta.dtype != x.dtype or x.shape[1] != weight.shape[0]:
+            return None
+        out = torch.empty_like(x)
+        self._library.kvshare_add_rms_norm(
+            DTYPE_CODES[x.dtype], x.data_ptr(), delta.data_ptr(), weight.data_ptr(),
+            out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 Hkv) * D], the fused projection's output
+        num_heads: int,
+        cos: torch.Tensor,  # [T, 1, D/2]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> torch.Tensor | None:
+        """Rope on q and k, and K/V written to their slots as TorchRefBackend.store_kv does,
+        in one pass over qkv: returns the rotated q [T, H, D]."""
+        num_tokens = qkv.shape[0]
+        _, _, num_kv_heads, head_dim = k_cache.shape
+        half = head_dim // 2
+        if not (_covers(qkv, 2) and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim):
+            return None
+        if half % _LANES or not all(_covers(t, 4) for t in (k_cache, v_cache)):
+            return None
+        if k_cache.shape != v_cache.shape or not k_cache.dtype == v_cache.dtype == qkv.dtype:
+            return None
+        if not all(_covers(t, 3) and t.shape == (num_tokens, 1, half) for t in (cos, sin)):
+            return None
+        if cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
+            return None
+        if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+            return None
+        if slot_mapping.shape != (num_tokens,):
+            return None
+        q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype)
+        status = self._library.kvshare_rope_store(
+            DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+            slot_mapping.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            num_tokens, num_heads, num_kv_heads, head_dim,
+            k_cache.shape[0] * k_cache.shape[1], torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:  # nothing was written
+            raise IndexError("slot_mapping holds a slot outside the KV cache")
+        return q
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """x [N, K] @ weight [V, K]^T for N <= GEMV_MAX_ROWS, weight read once (F.linear)."""
+        if not (_covers(x, 2) and _covers(weight, 2)) or x.dtype != weight.dtype:
+            return None
+        if x.shape[0] > GEMV_MAX_ROWS or x.shape[1] != weight.shape[1]:
+            return None
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+        self._library.kvshare_gemv(
+            DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            x.shape[0], x.shape[1], weight.shape[0], torch.get_num_threads(),
         )  # fmt: skip
         return out
 

@@ -1,6 +1,8 @@
 // kvshare's native CPU kernels: paged decode attention (one query token per sequence, K/V read
 // in place from the paged pool through each sequence's block table, no gather into a dense
-// copy) and the Llama block's fused elementwise ops (RMSNorm, SiLU-and-mul, rope; at the end).
+// copy) and the Llama block's fused ops (RMSNorm alone or after the residual add, SiLU-and-mul,
+// rope alone or with the KV store, and a few-row matrix-vector product for the LM head; at the
+// end).
 //
 // Built on first use by engine/runtime/cpu/native.py (g++ -O3 -fopenmp, -march=native or a forced
 // lower level: x86-64-v3 for AVX2, x86-64-v2 for SSE4.2) and called through ctypes with raw
@@ -55,6 +57,14 @@ inline void store(vfloat v, bf16* p) {
   bits += 0x7fffu + ((bits >> 16) & 1u);
   const vbf16 narrowed = __builtin_convertvector(bits >> 16, vbf16);
   std::memcpy(p, &narrowed, sizeof(narrowed));
+}
+
+inline void store_one(float x, float* p) { *p = x; }
+
+inline void store_one(float x, bf16* p) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  *p = static_cast<bf16>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 typedef float vfloat8 __attribute__((vector_size(32)));
@@ -306,23 +316,114 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads
   }
 }
 
-// Rotate-half rope: x [T, H, D] (token stride row_stride), cos/sin [T, D/2] -> out [T, H, D]
-// contiguous; out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin, each product rounded first.
+// Rotate-half rope of `heads` heads of one token: in [heads, D] -> out [heads, D];
+// out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin, each product rounded first (cos/sin [D/2]).
+template <typename T>
+inline void rope_heads(const T* in, const T* cos, const T* sin, T* out, int heads, int head_dim) {
+  const int half = head_dim / 2;
+  for (int h = 0; h < heads; ++h, in += head_dim, out += head_dim) {
+    for (int i = 0; i < half; i += kLanes) {
+      const vfloat x1 = load(in + i), x2 = load(in + half + i);
+      const vfloat c = load(cos + i), s = load(sin + i);
+      store(round_as<T>(x1 * c) - round_as<T>(x2 * s), out + i);
+      store(round_as<T>(x2 * c) + round_as<T>(x1 * s), out + half + i);
+    }
+  }
+}
+
+// Rope: x [T, H, D] (token stride row_stride), cos/sin [T, D/2] -> out [T, H, D] contiguous.
 template <typename T>
 void rope(const T* x, int64_t row_stride, const T* cos, const T* sin, T* out, int64_t tokens,
           int heads, int head_dim, int num_threads) {
   const int half = head_dim / 2;
 #pragma omp parallel for num_threads(num_threads) if (tokens * heads * head_dim >= kParallelMin)
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int h = 0; h < heads; ++h) {
-      const T* in = x + t * row_stride + h * head_dim;
-      T* dst = out + (t * heads + h) * head_dim;
-      for (int i = 0; i < half; i += kLanes) {
-        const vfloat x1 = load(in + i), x2 = load(in + half + i);
-        const vfloat c = load(cos + t * half + i), s = load(sin + t * half + i);
-        store(round_as<T>(x1 * c) - round_as<T>(x2 * s), dst + i);
-        store(round_as<T>(x2 * c) + round_as<T>(x1 * s), dst + half + i);
-      }
+    rope_heads(x + t * row_stride, cos + t * half, sin + t * half,
+               out + t * heads * head_dim, heads, head_dim);
+  }
+}
+
+// The attention block's rope(q), rope(k) and KV store in one pass over the fused qkv rows:
+// qkv [T, (H + 2 Hkv) D] (token stride row_stride), cos/sin [T, D/2], slots [T] int64 ->
+// q_out [T, H, D]; rotated K and plain V written to slot slots[t] of k_cache / v_cache
+// ([num_slots, Hkv, D]). Returns 3, with nothing written, if a slot is out of range.
+template <typename T>
+int rope_store(const T* qkv, int64_t row_stride, const T* cos, const T* sin,
+               const int64_t* slots, T* q_out, T* k_cache, T* v_cache, int64_t tokens,
+               int heads, int kv_heads, int head_dim, int64_t num_slots, int num_threads) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] < 0 || slots[t] >= num_slots) return 3;
+  }
+  const int half = head_dim / 2;
+  const int64_t q_size = static_cast<int64_t>(heads) * head_dim;
+  const int64_t kv_size = static_cast<int64_t>(kv_heads) * head_dim;
+#pragma omp parallel for num_threads(num_threads) if (tokens * (q_size + kv_size) >= kParallelMin)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* row = qkv + t * row_stride;
+    const T* c = cos + t * half;
+    const T* s = sin + t * half;
+    rope_heads(row, c, s, q_out + t * q_size, heads, head_dim);
+    rope_heads(row + q_size, c, s, k_cache + slots[t] * kv_size, kv_heads, head_dim);
+    std::memcpy(v_cache + slots[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
+  }
+  return 0;
+}
+
+// The residual add and the next RMSNorm in one pass: x = to_T(x + delta) in place (the
+// residual stream), out = rms_norm(x) as rms_norm() computes it.
+template <typename T>
+void add_rms_norm(T* x, const T* delta, const T* weight, T* out, int64_t rows, int dim,
+                  float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = x + r * dim;
+    const T* add = delta + r * dim;
+    vfloat squares = splat(0.f);
+    for (int i = 0; i < dim; i += kLanes) {
+      const vfloat v = round_as<T>(load(row + i) + load(add + i));
+      store(v, row + i);
+      squares += v * v;
+    }
+    const float inv_rms = 1.f / std::sqrt(sum(squares) / dim + eps);
+    for (int i = 0; i < dim; i += kLanes) {
+      const vfloat normed = round_as<T>(load(row + i) * inv_rms);
+      store(load(weight + i) * normed, out + r * dim + i);
+    }
+  }
+}
+
+// y [N, V] = x [N, K] W^T for a few rows (the LM head of a small decode batch): W [V, K] is
+// streamed once, each output a K-long dot product of fp32 vectors held in registers (kRows
+// known at compile time keeps the accumulators out of memory). Threads split V in chunks.
+template <typename T, int kRows>
+void gemv_rows(const T* x, const T* weight, T* out, int in_features, int64_t out_features,
+               int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static, 64)
+  for (int64_t v = 0; v < out_features; ++v) {
+    const T* w = weight + v * in_features;
+    vfloat acc[kRows] = {};
+    for (int i = 0; i < in_features; i += kLanes) {
+      const vfloat wv = load(w + i);
+      for (int r = 0; r < kRows; ++r) acc[r] += load(x + r * int64_t{in_features} + i) * wv;
+    }
+    for (int r = 0; r < kRows; ++r) store_one(sum(acc[r]), out + r * out_features + v);
+  }
+}
+
+// Rows in one pass over W; more rows read W again per group of kGemvMaxRows.
+constexpr int kGemvMaxRows = 4;
+
+template <typename T>
+void gemv(const T* x, const T* weight, T* out, int rows, int in_features, int64_t out_features,
+          int num_threads) {
+  for (int r0 = 0; r0 < rows; r0 += kGemvMaxRows) {
+    const T* xs = x + r0 * int64_t{in_features};
+    T* ys = out + r0 * out_features;
+    switch (rows - r0 < kGemvMaxRows ? rows - r0 : kGemvMaxRows) {
+      case 1: gemv_rows<T, 1>(xs, weight, ys, in_features, out_features, num_threads); break;
+      case 2: gemv_rows<T, 2>(xs, weight, ys, in_features, out_features, num_threads); break;
+      case 3: gemv_rows<T, 3>(xs, weight, ys, in_features, out_features, num_threads); break;
+      default: gemv_rows<T, 4>(xs, weight, ys, in_features, out_features, num_threads); break;
     }
   }
 }
@@ -385,6 +486,39 @@ int kvshare_rope(int dtype, const void* x, int64_t row_stride, const void* cos, 
     using T = decltype(tag);
     rope(static_cast<const T*>(x), row_stride, static_cast<const T*>(cos),
          static_cast<const T*>(sin), static_cast<T*>(out), tokens, heads, head_dim, num_threads);
+    return 0;
+  });
+}
+
+int kvshare_rope_store(int dtype, const void* qkv, int64_t row_stride, const void* cos,
+                       const void* sin, const int64_t* slots, void* q_out, void* k_cache,
+                       void* v_cache, int64_t tokens, int heads, int kv_heads, int head_dim,
+                       int64_t num_slots, int num_threads) {
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    return rope_store(static_cast<const T*>(qkv), row_stride, static_cast<const T*>(cos),
+                      static_cast<const T*>(sin), slots, static_cast<T*>(q_out),
+                      static_cast<T*>(k_cache), static_cast<T*>(v_cache), tokens, heads,
+                      kv_heads, head_dim, num_slots, num_threads);
+  });
+}
+
+int kvshare_add_rms_norm(int dtype, void* x, const void* delta, const void* weight, void* out,
+                         int64_t rows, int dim, float eps, int num_threads) {
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    add_rms_norm(static_cast<T*>(x), static_cast<const T*>(delta), static_cast<const T*>(weight),
+                 static_cast<T*>(out), rows, dim, eps, num_threads);
+    return 0;
+  });
+}
+
+int kvshare_gemv(int dtype, const void* x, const void* weight, void* out, int rows,
+                 int in_features, int64_t out_features, int num_threads) {
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    gemv(static_cast<const T*>(x), static_cast<const T*>(weight), static_cast<T*>(out), rows,
+         in_features, out_features, num_threads);
     return 0;
   });
 }

@@ -1,8 +1,9 @@
 """The native CPU kernel library: kernels.cpp compiled once per machine, loaded with ctypes.
 
 engine/runtime/cpu/kernels.cpp holds the paged decode attention of the cpu attention backend
-(engine/runtime/attention/cpu_native.py) and the Llama block's fused RMSNorm, SiLU-and-mul and
-rope (engine/runtime/cpu/fused.py). It is compiled on first use with the system C++ compiler
+(engine/runtime/attention/cpu_native.py) and the Llama block's fused RMSNorm (alone or after the
+residual add), SiLU-and-mul, rope (alone or with the KV store) and few-row LM head
+(engine/runtime/cpu/fused.py). It is compiled on first use with the system C++ compiler
 (OpenMP) into a build dir (kernels/ in the kvshare cache dir), keyed by a hash of the source,
 the flags and the compiler, then loaded with ctypes.
 
@@ -129,3 +130,11 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvshare_silu_mul.argtypes = [int_, ptr, ptr, long_, int_, int_]
     library.kvshare_rope.restype = int_
     library.kvshare_rope.argtypes = [int_, ptr, long_, ptr, ptr, ptr, long_, int_, int_, int_]
+    library.kvshare_rope_store.restype = int_
+    library.kvshare_rope_store.argtypes = [
+        int_, ptr, long_, ptr, ptr, ptr, ptr, ptr, ptr, long_, int_, int_, int_, long_, int_
+    ]  # fmt: skip
+    library.kvshare_add_rms_norm.restype = int_
+    library.kvshare_add_rms_norm.argtypes = [int_, ptr, ptr, ptr, ptr, long_, int_, float_, int_]
+    library.kvshare_gemv.restype = int_
+    library.kvshare_gemv.argtypes = [int_, ptr, ptr, ptr, int_, int_, long_, int_]

@@ -130,6 +130,19 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_forward(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, forward(x + delta)): the residual add before a norm. The fused path
+        writes the sum into x (one pass, no temporary); callers own x."""
+        out = (
+            None if self.fused is None else self.fused.add_rms_norm(x, delta, self.weight, self.eps)
+        )
+        if out is not None:
+            return x, out
+        x = x + delta
+        return x, self.forward(x)
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin of every position below max_positions, precomputed in fp32 then cast."""
@@ -189,6 +202,15 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2Hkv) * D]
+        k_cache, v_cache = kv_cache
+        if self.fused is not None and self.q_norm is None:
+            # Rope on q and k and the KV store in one native pass (four calls otherwise).
+            q = self.fused.rope_store(
+                qkv, self.num_heads, *rope, k_cache, v_cache, meta.slot_mapping
+            )
+            if q is not None:
+                out = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+                return self.o_proj(out.reshape(num_tokens, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -196,7 +218,6 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, rope), self._rope(k, rope)
-        k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -231,11 +252,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
         self.mlp = LlamaMLP(spec, device, dtype)
 
-    def forward(self, rope: Rope, hidden, kv_cache, meta, backend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            rope, self.input_layernorm(hidden), kv_cache, meta, backend
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, rope: Rope, hidden, delta, kv_cache, meta, backend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream enters as hidden + delta (delta None before the first layer)
+        and leaves as the returned (hidden, delta): each add is fused into the norm after it."""
+        if delta is None:
+            normed = self.input_layernorm(hidden)
+        else:
+            hidden, normed = self.input_layernorm.add_forward(hidden, delta)
+        attn_out = self.self_attn(rope, normed, kv_cache, meta, backend)
+        hidden, normed = self.post_attention_layernorm.add_forward(hidden, attn_out)
+        return hidden, self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -292,21 +320,37 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Run every layer over the flattened batch, writing K/V into the caches: [T, E]."""
-        hidden = self.model.embed_tokens(input_ids)  # [T, E]
+        hidden = self.model.embed_tokens(input_ids)  # [T, E], a fresh tensor the adds may reuse
         rope = self.rotary.lookup(positions)
+        delta = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv_cache, meta, backend)
-        return self.model.norm(hidden)
+            hidden, delta = layer(rope, hidden, delta, kv_cache, meta, backend)
+        return self.model.norm.add_forward(hidden, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, E] -> logits [N, V] in fp32 (select the rows first)."""
+        fused = self.model.norm.fused
+        weight = self._plain_head_weight() if fused is not None else None
+        if weight is not None and (logits := fused.gemv(hidden, weight)) is not None:
+            return logits.float()  # a decode of 1-2 rows: the head streamed once, near bandwidth
         if self.lm_head is None:  # tied and not packed
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
+    def _plain_head_weight(self) -> torch.Tensor | None:
+        """The exact LM head's [V, E] weight in its plain layout, where one exists without a
+        copy (tied, or not packed); None for a packed untied or quantized head."""
+        if self.lm_head is None or (
+            self.spec.tie_word_embeddings and isinstance(self.lm_head, PackedLinear)
+        ):
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else None
+
     def use_fused_ops(self, ops: CpuFusedOps | None) -> None:
-        """Run RMSNorm, SiLU-and-mul and rope through `ops` where they cover the call (None:
-        torch everywhere)."""
+        """Run RMSNorm (and the residual add before it), SiLU-and-mul, rope with the KV store,
+        and a small batch's LM head through `ops` where they cover the call (None: torch
+        everywhere). The KV store then writes the caches directly, in the layout every
+        backend shares (attention/base.py): only for the CPU backends."""
         for module in self.modules():
             if isinstance(module, RMSNorm | LlamaMLP | LlamaAttention):
                 module.fused = ops

@@ -26,7 +26,7 @@ def ops(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     return CpuFusedOps(load_library(build_dir, request.param))
 
 
-def randn(*shape: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 

@@ -1,0 +1,502 @@
+"""Step profile: where one engine step goes on the CPU, each part beside this machine's bound.
+
+    python benchmarks/profile_step.py [--repo DIR] [--steps 8] [--http-batches 1 8] \
+        [--out benchmarks/results/profile_after.json]
+
+The default model (SmolLM2-135M-Instruct) with config/cpu.yaml's engine settings, in an offline
+LLMEngine: decode steps at 1, 8 and 32 sequences (~240-token prompts) and one 512-token
+prefill chunk. `--repo` names the source tree to profile (default: this one), so the same
+script profiles an older commit's worktree; it uses no engine API newer than that.
+
+Buckets. The script wraps these callables in its own process (timing hooks; nothing in the
+engine changes) and adds each call's wall time to its bucket; calls nested inside a timed call
+count for the outer one only:
+  projections   q/k/v, o, gate/up and down linears (PackedLinear / nn.Linear forward)
+  attention     the backend's store_kv and forward (KV writes and paged attention; where
+                rope is fused into the KV store, CpuFusedOps.rope_store, that too)
+  elementwise   RMSNorm, rope, SiLU-and-mul (fused or torch), embedding and rope-table lookups
+  LM head       compute_logits (the [N, E] x [E, V] matmul)
+  sampling      the sampler
+  scheduling    scheduler.schedule and update_from_output
+  Python/glue   the rest of the step (layer, runner and engine code between those calls:
+                dispatch, views, residual adds, input tensors), minus the timers' own cost
+                (calibrated: per wrapped call, times the calls per step)
+
+Bounds, measured here first: read bandwidth (a large tensor's sum) and the best GEMM rate
+(F.linear / packed oneDNN at 512 rows). A bucket's bound is max(bytes it must move / bandwidth,
+FLOPs / GEMM rate): weights and KV are read once, activations read and written once.
+
+The HTTP front end's share: the same requests (token-id prompts, 64 output tokens, ignore_eos)
+run offline and over a real `kvshare serve --config config/cpu.yaml` (streaming
+/v1/completions, this script as the client on the same cores); share = 1 - offline / HTTP.
+
+--clock wall (default) times everything by the wall clock: the figures for a quiet machine.
+On a loaded one, `--threads 1 --clock cpu` times by CPU time instead (the step's own thread;
+for HTTP the server process's CPU seconds against the offline process's), which other
+processes inflate far less; bounds are then measured at one thread too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROMPT_TOKENS = 240
+PREFILL_TOKENS = 512
+BUCKETS = ("projections", "attention", "elementwise", "LM head", "sampling", "scheduling")
+# (module, attribute path, bucket): what the hooks wrap; a missing one is skipped (older trees).
+HOOKS = (
+    ("engine.runtime.cpu.linear", "PackedLinear.forward", "projections"),
+    ("torch.nn", "Linear.forward", "projections"),
+    ("engine.runtime.models.llama", "RMSNorm.forward", "elementwise"),
+    ("engine.runtime.models.llama", "LlamaAttention._rope", "elementwise"),
+    ("engine.runtime.models.llama", "RotaryEmbedding.lookup", "elementwise"),
+    ("engine.runtime.cpu.fused", "CpuFusedOps.rms_norm", "elementwise"),
+    ("engine.runtime.cpu.fused", "CpuFusedOps.silu_mul", "elementwise"),
+    ("engine.runtime.cpu.fused", "CpuFusedOps.rope", "elementwise"),
+    ("engine.runtime.cpu.fused", "CpuFusedOps.add_rms_norm", "elementwise"),
+    # Newer trees: rope on q and k fused into the KV store, counted with the store.
+    ("engine.runtime.cpu.fused", "CpuFusedOps.rope_store", "attention"),
+    ("torch.nn", "Embedding.forward", "elementwise"),
+    ("engine.runtime.models.llama", "LlamaForCausalLM.compute_logits", "LM head"),
+    ("engine.runtime.sampler", "Sampler.__call__", "sampling"),
+    ("engine.core.scheduler", "Scheduler.schedule", "scheduling"),
+    ("engine.core.scheduler", "Scheduler.update_from_output", "scheduling"),
+)
+ATTENTION_METHODS = ("store_kv", "forward")
+# The clock every figure uses: wall time, or with --clock cpu this thread's CPU time (with
+# --threads 1 all the work runs on it), which a loaded machine's other processes inflate less.
+_clock = time.perf_counter
+
+
+# ---------------------------------------------------------------- timing hooks
+
+
+class Timers:
+    """Wall time per bucket; a call made while another timed call runs is not timed again."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.busy = False
+        self.seconds = dict.fromkeys(BUCKETS, 0.0)
+        self.num_calls = 0
+
+    def wrap(self, fn, bucket: str):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if not self.enabled or self.busy:
+                return fn(*args, **kwargs)
+            self.busy = True
+            started = _clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[bucket] += _clock() - started
+                self.num_calls += 1
+                self.busy = False
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(BUCKETS, 0.0)
+        self.num_calls = 0
+
+    def cost_per_call(self) -> float:
+        """Seconds a wrapper adds to one call (measured on a no-op)."""
+        noop = self.wrap(lambda: None, "sampling")
+        plain = lambda: None  # noqa: E731
+        self.enabled, n = True, 20000
+        started = _clock()
+        for _ in range(n):
+            noop()
+        wrapped = _clock() - started
+        started = _clock()
+        for _ in range(n):
+            plain()
+        self.enabled = False
+        self.reset()
+        return max(0.0, (wrapped - (_clock() - started)) / n)
+
+
+def install_hooks(timers: Timers, engine) -> list[str]:
+    """Wrap every HOOKS entry that exists (class attributes) and the engine's attention backend
+    (instance attributes); returns what was wrapped."""
+    wrapped = []
+    for module_name, path, bucket in HOOKS:
+        owner_name, attr = path.split(".")
+        owner = getattr(importlib.import_module(module_name), owner_name, None)
+        if owner is None or attr not in vars(owner):
+            continue
+        setattr(owner, attr, timers.wrap(vars(owner)[attr], bucket))
+        wrapped.append(f"{module_name}.{path}")
+    backend = engine.runner.attn_backend
+    for name in ATTENTION_METHODS:
+        if hasattr(backend, name):
+            setattr(backend, name, timers.wrap(getattr(backend, name), "attention"))
+            wrapped.append(f"attn_backend.{name}")
+    return wrapped
+
+
+# ---------------------------------------------------------------- the machine's bounds
+
+
+def _best_seconds(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = _clock()
+        fn()
+        best = min(best, _clock() - started)
+    return best
+
+
+def measure_machine(torch) -> dict:
+    """Read bandwidth (GB/s) and GEMM rates (GFLOP/s, fp32) at SmolLM2's gate/up shape."""
+    import torch.nn.functional as F
+
+    big = torch.ones(128 * 1024 * 1024)  # 512 MiB: far past every cache
+    read_gbs = big.numel() * 4 / _best_seconds(big.sum) / 1e9
+    target = torch.empty_like(big)
+    copy_gbs = 2 * big.numel() * 4 / _best_seconds(lambda: target.copy_(big)) / 1e9
+    weight = torch.randn(3072, 576)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    rates = {}
+    for rows in (1, 8, 32, 512):
+        x = torch.randn(rows, 576)
+        flops = 2 * rows * weight.numel()
+        plain = flops / _best_seconds(lambda x=x: F.linear(x, weight), 20) / 1e9
+        onednn = flops / _best_seconds(
+            lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), 20
+        )
+        rates[rows] = {"F.linear": plain, "oneDNN packed": onednn / 1e9}
+    peak = max(max(r.values()) for r in rates.values())
+    return {"read_gbs": read_gbs, "copy_gbs": copy_gbs, "gemm_gflops": rates, "peak_gflops": peak}
+
+
+def bounds_ms(spec, row: dict, machine: dict) -> dict:
+    """Each bucket's floor in ms for one step (fp32): row["rows"] tokens through the layers,
+    row["kv_read"] KV positions read and row["pairs"] (query, key) pairs attended per layer,
+    row["sampled"] rows through the LM head and the sampler."""
+    E, L, V = spec.hidden_size, spec.num_layers, spec.vocab_size
+    inter = spec.intermediate_size
+    kv, q = spec.num_kv_heads * spec.head_dim, spec.num_heads * spec.head_dim
+    rows, sampled = row["rows"], row["sampled"]
+    bw, peak = machine["read_gbs"] * 1e9, machine["peak_gflops"] * 1e9
+
+    def floor(num_floats: float, flops: float = 0.0) -> float:
+        return 1000 * max(4 * num_floats / bw, flops / peak)
+
+    weights = L * (E * (q + 2 * kv) + q * E + E * 2 * inter + inter * E)
+    activations = L * rows * ((E + q + 2 * kv) + (q + E) + (E + 2 * inter) + (inter + E))
+    attention = L * (2 * row["kv_read"] * kv + rows * (2 * q + 2 * kv))
+    # Two RMSNorms and two residual adds (read + write E each), rope on q and k, SiLU-and-mul.
+    elementwise = L * rows * (8 * E + 2 * (q + kv) + 3 * inter) + rows * E
+    return {
+        "projections": floor(weights + activations, 2 * rows * weights),
+        "attention": floor(attention, L * 4 * q * row["pairs"]),
+        "elementwise": floor(elementwise),
+        "LM head": floor(V * E, 2 * sampled * V * E) if sampled else 0.0,
+        "sampling": floor(sampled * V),
+        "scheduling": 0.0,
+    }
+
+
+# ---------------------------------------------------------------- engine runs
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(length)]
+
+
+def _timed_step(engine) -> float:
+    started = _clock()
+    engine.step()
+    return _clock() - started
+
+
+def _finish_all(engine, request_ids: list[str]) -> None:
+    for request_id in request_ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _add(engine, request_id: str, prompt: list[int], max_tokens: int) -> None:
+    from engine.core.protocol import EngineRequest
+    from engine.core.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request(EngineRequest(request_id, prompt, params))
+
+
+def profile_decode(engine, timers: Timers, batch: int, steps: int, rng) -> dict:
+    """Decode-only steps at `batch` sequences: plain step times, then the same under timers."""
+    ids = [f"decode-{batch}-{i}-{rng.randrange(10**9)}" for i in range(batch)]
+    for request_id in ids:
+        _add(engine, request_id, _prompt(rng, PROMPT_TOKENS), 4 * steps + 16)
+    while not _is_decode_only(engine, batch):
+        engine.step()
+    plain = [_timed_step(engine) for _ in range(steps)]
+    hooked, buckets = [], []
+    for _ in range(steps):
+        timers.reset()
+        timers.enabled = True
+        hooked.append(_timed_step(engine))
+        timers.enabled = False
+        buckets.append((dict(timers.seconds), timers.num_calls))
+    _finish_all(engine, ids)
+    context = batch * (PROMPT_TOKENS + 2 * steps)  # KV positions each layer reads, mid-run
+    return _row(f"decode, batch {batch}", plain, hooked, buckets, batch, context, context, batch)
+
+
+def _is_decode_only(engine, batch: int) -> bool:
+    samples = engine.step_samples
+    return bool(samples) and samples[-1].num_seqs == batch == samples[-1].num_tokens
+
+
+def profile_prefill(engine, timers: Timers, repeats: int, rng) -> dict:
+    """The first 512-token chunk of a fresh 600-token prompt (nothing cached), plain then timed."""
+    plain, hooked, buckets = [], [], []
+    for attempt in range(2 * repeats):
+        request_id = f"prefill-{attempt}-{rng.randrange(10**9)}"
+        _add(engine, request_id, _prompt(rng, PREFILL_TOKENS + 88), 1)
+        is_timed = attempt >= repeats
+        timers.reset()
+        timers.enabled = is_timed
+        seconds = _timed_step(engine)
+        timers.enabled = False
+        if is_timed:
+            hooked.append(seconds)
+            buckets.append((dict(timers.seconds), timers.num_calls))
+        else:
+            plain.append(seconds)
+        _finish_all(engine, [request_id])
+    pairs = PREFILL_TOKENS * (PREFILL_TOKENS + 1) // 2  # causal: token i sees i + 1 keys
+    name = "prefill, 512-token chunk"
+    return _row(name, plain, hooked, buckets, PREFILL_TOKENS, PREFILL_TOKENS, pairs, 0)
+
+
+def _row(name, plain, hooked, buckets, rows, kv_read, pairs, sampled) -> dict:
+    # The bucket split of the median timed step; per-call timer cost is set in main().
+    middle = sorted(range(len(hooked)), key=lambda i: hooked[i])[len(hooked) // 2]
+    seconds, num_calls = buckets[middle]
+    return {
+        "name": name,
+        "rows": rows,
+        "kv_read": kv_read,
+        "pairs": pairs,
+        "sampled": sampled,
+        "step_ms": 1000 * statistics.median(plain),
+        "timed_step_ms": 1000 * hooked[middle],
+        "bucket_ms": {k: 1000 * v for k, v in seconds.items()},
+        "timed_calls": num_calls,
+    }
+
+
+# ---------------------------------------------------------------- HTTP vs offline
+
+
+def _serving_module():
+    # By path: with --repo an older tree, `benchmarks` on sys.path is that tree's package.
+    spec = importlib.util.spec_from_file_location("kvshare_bench_serving", HERE / "serving.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def start_kvshare(serving, repo: Path):
+    """`kvshare serve --config config/cpu.yaml` from `repo` on a free port: (process, URL)."""
+    port = serving.free_port()
+    command = [sys.executable, "-m", "app.cli", "serve", "--config", "config/cpu.yaml"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    base_url = f"http://127.0.0.1:{port}"
+    env = {"PYTHONPATH": str(repo)}  # OMP_WAIT_POLICY and KVSHARE_NUM_THREADS are inherited
+    return serving.start_server(command, f"{base_url}/ready", cwd=repo, env=env), base_url
+
+
+def _process_clock() -> float:
+    # CPU mode: the whole process (the engine's own threads), as the server is measured.
+    return time.process_time() if _clock is time.thread_time else _clock()
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _http_batch(serving, base_url: str, prompts, max_tokens: int) -> float:
+    import httpx
+
+    model = None
+    async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
+        model = await serving.discover_model(client, f"{base_url}/v1")
+        bodies = [
+            {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
+             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            for p in prompts
+        ]  # fmt: skip
+        url = f"{base_url}/v1/completions"
+        started = _clock()
+        results = await asyncio.gather(
+            *(serving.stream_chat(client, url, b, serving.RequestResult(i, 0)) for i, b in
+              enumerate(bodies))
+        )  # fmt: skip
+        elapsed = _clock() - started
+    bad = [r.error for r in results if not r.ok or r.output_tokens != max_tokens]
+    if bad:
+        raise RuntimeError(f"HTTP requests failed: {bad[:2]}")
+    return elapsed
+
+
+def http_share(engine, serving, repo: Path, batches: list[int], rng, max_tokens=64) -> list[dict]:
+    """Offline vs HTTP wall time of the same batch of requests, per batch size."""
+    from engine.core.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    batch_prompts = {b: [_prompt(rng, PROMPT_TOKENS) for _ in range(b)] for b in batches}
+    offline = {}
+    for batch, prompts in batch_prompts.items():
+        started = _process_clock()
+        engine.generate(prompts, params)
+        offline[batch] = _process_clock() - started
+    process, base_url = start_kvshare(serving, repo)
+    rows = []
+    try:
+        asyncio.run(_http_batch(serving, base_url, [_prompt(rng, 32)], 4))  # warm-up
+        for batch, prompts in batch_prompts.items():
+            cpu_before = _process_cpu_s(process.pid)
+            http = asyncio.run(_http_batch(serving, base_url, prompts, max_tokens))
+            if _clock is time.thread_time:  # the server's CPU seconds, not the wall time
+                http = _process_cpu_s(process.pid) - cpu_before
+            rows.append({
+                "batch": batch, "offline_s": offline[batch], "http_s": http,
+                "offline_tok_s": batch * max_tokens / offline[batch],
+                "http_tok_s": batch * max_tokens / http, "share": 1 - offline[batch] / http,
+            })  # fmt: skip
+    finally:
+        serving.stop_server(process)
+    return rows
+
+
+# ---------------------------------------------------------------- report
+
+
+def format_tables(machine: dict, rows: list[dict], http: list[dict], cost_us: float) -> str:
+    rates = ", ".join(
+        f"{n} rows {r['F.linear']:.0f} / {r['oneDNN packed']:.0f}"
+        for n, r in machine["gemm_gflops"].items()
+    )
+    lines = [
+        f"Machine: read {machine['read_gbs']:.1f} GB/s, copy {machine['copy_gbs']:.1f} GB/s; "
+        f"fp32 GFLOP/s (576 x 3072, F.linear / oneDNN packed): {rates}; "
+        f"timer cost {cost_us:.2f} us per timed call.",
+        "",
+        "| step | total ms (timed) | " + " | ".join(f"{b} ms (bound)" for b in BUCKETS)
+        + " | Python/glue ms |",
+        "|---|---|" + "---|" * (len(BUCKETS) + 1),
+    ]  # fmt: skip
+    for row in rows:
+        cells = [f"{row['bucket_ms'][b]:.2f} ({row['bounds_ms'][b]:.2f})" for b in BUCKETS]
+        lines.append(
+            f"| {row['name']} | {row['step_ms']:.1f} ({row['timed_step_ms']:.1f}) | "
+            + " | ".join(cells) + f" | {row['python_ms']:.2f} |"
+        )  # fmt: skip
+    if http:
+        lines += ["", "| batch | offline s | HTTP s | offline tok/s | HTTP tok/s | HTTP share |"]
+        lines.append("|---|---|---|---|---|---|")
+        for h in http:
+            lines.append(
+                f"| {h['batch']} | {h['offline_s']:.2f} | {h['http_s']:.2f} | "
+                f"{h['offline_tok_s']:.1f} | {h['http_tok_s']:.1f} | {100 * h['share']:.1f}% |"
+            )
+    return "\n".join(lines)
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repo", type=Path, default=HERE.parent, help="source tree to profile")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per batch size")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prefill-repeats", type=int, default=2)
+    parser.add_argument("--http-batches", type=int, nargs="*", default=[1, 8])
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: cpu.yaml)"
+    )
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
+    args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu needs --threads 1 (one thread's CPU time is the whole step)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    global _clock
+    args = _parse_args(argv)
+    serving = _serving_module()
+    if args.clock == "cpu":
+        _clock = time.thread_time
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # idle OpenMP threads must not spin
+    if args.threads is not None:
+        os.environ["KVSHARE_NUM_THREADS"] = str(args.threads)  # the HTTP server's too
+    repo = args.repo.resolve()
+    out = None if args.out is None else args.out.resolve()  # relative to where it was started
+    sys.path.insert(0, str(repo))
+    os.chdir(repo)
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)  # before measure_machine: bounds at the same threads
+    from app.settings import load_settings
+    from engine.llm_engine import LLMEngine
+    from engine.runtime.models.llama import LlamaSpec
+
+    machine = measure_machine(torch)
+    config = load_settings(repo / "config" / "cpu.yaml", environ={}).to_engine_config()
+    config = dataclasses.replace(config, audit_sample_rate=0.0)
+    if args.threads is not None:
+        config = dataclasses.replace(config, num_threads=args.threads)
+    engine = LLMEngine(config)
+    spec = LlamaSpec.from_hf_config(engine.runner.hf_config)
+    timers = Timers()
+    wrapped = install_hooks(timers, engine)
+    cost = timers.cost_per_call()
+    rng = random.Random(0)
+    profile_decode(engine, timers, 2, 2, rng)  # warm-up: allocator, kernel library, caches
+    rows = [profile_decode(engine, timers, b, args.steps, rng) for b in args.batches]
+    rows.append(profile_prefill(engine, timers, args.prefill_repeats, rng))
+    for row in rows:
+        row["bounds_ms"] = bounds_ms(spec, row, machine)
+        timed = sum(row["bucket_ms"].values()) + 1000 * cost * row["timed_calls"]
+        row["python_ms"] = max(0.0, row["timed_step_ms"] - timed)
+    print(f"clock: {args.clock}, {torch.get_num_threads()} threads", flush=True)
+    print(format_tables(machine, rows, [], 1e6 * cost), flush=True)
+    http = []
+    if args.http_batches:
+        http = http_share(engine, serving, repo, args.http_batches, rng)
+        print(format_tables(machine, [], http, 1e6 * cost).split("\n", 2)[2])
+    if out is not None:
+        report = {"repo": str(repo), "machine": machine, "rows": rows, "http": http,
+                  "timer_cost_us": 1e6 * cost, "wrapped": wrapped,
+                  "threads": torch.get_num_threads(), "clock": args.clock}  # fmt: skip
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Fewer weight bytes per token on the CPU: the `quantization` modes besides none (exact).
+
+Both run on fbgemm (torch.ops.quantized, prepacked once), the fastest of the options measured
+on SmolLM2's shapes (benchmarks/README.md, "Quantization"); fbgemm needs AVX2 at least:
+
+- fp16: weights stored as float16 (half of fp32's bytes), activations and accumulation in
+  fp32 (fbgemm's linear_dynamic_fp16). Top-1 agreement with the exact model 1.0 on the
+  quality text; a row's output does not depend on the other rows of the batch.
+- int8: per-output-channel int8 weights (a quarter of the bytes), activations quantized per
+  token to 7 bits (fbgemm's dynamic int8 linear). About 3x faster matmuls than fp32, but it
+  misses the quality goals on SmolLM2 (top-1 agreement ~0.78): opt-in only.
+
+int8 details. fbgemm quantizes its input per tensor, from the batch's own min and max, so a
+row's result would depend on the rows beside it. Two things make it per token:
+
+- each row is divided by its own absolute maximum before the call (every row spans [-1, 1])
+  and the output row multiplied back;
+- two constant columns, +1 and -1, are appended to the input (their weight columns are zero),
+  so the batch's min and max are always exactly -1 and +1: fbgemm's activation grid is the
+  same for every batch.
+
+A row's int8 codes then depend on that row alone, and int8 x int8 products summed in int32 are
+exact, so a row's output is the same whatever else is in the batch, and the same on AVX2 and
+AVX-512 (reduce_range keeps AVX2's 16-bit pair sums from saturating: activation codes run
+-64..64 around fbgemm's zero point, step 2/127 of the row's maximum).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from engine.core.errors import ParamError
+from engine.runtime.cpu import capabilities
+
+ISA_LEVELS = ("avx512", "avx2")  # the probe's levels fbgemm runs on
+_INT8_MAX = 127
+_TINY = 1e-12  # an all-zero row keeps a finite scale (its output is the bias)
+
+
+def can_quantize() -> bool:
+    """Whether fbgemm runs here: in this torch build (every x86-64 CPU wheel) and on this CPU
+    by the probe (KVSHARE_CPU_ISA=baseline says no, as a CPU without AVX2 would)."""
+    has_fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
+    return has_fbgemm and capabilities.cpu_capabilities().isa in ISA_LEVELS
+
+
+class Fp16Linear(nn.Module):
+    """y = x W^T + b with W held as float16 in fbgemm's layout; x and y are fp32 [N, *]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        bias = None if bias is None else bias.detach().float()
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp16"
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W held as per-output-channel int8; x is [N, in_features] fp32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        codes, scales = quantize_per_channel(weight.detach().float())
+        # The two bound columns of the input meet zero weights: they move the grid, not y.
+        codes = torch.cat([codes, codes.new_zeros(self.out_features, 2)], dim=1)
+        self.packed = _prepack(codes, scales)
+        self.bias = None if bias is None else bias.detach().float()
+        self.register_buffer("bounds", torch.tensor([[1.0, -1.0]]), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, K] -> per-token scale [N, 1]; normalized rows span [-1, 1] exactly.
+        row_max = x.abs().amax(dim=-1, keepdim=True).clamp_min(_TINY)
+        normalized = torch.cat([x / row_max, self.bounds.expand(x.shape[0], 2)], dim=1)
+        y = torch.ops.quantized.linear_dynamic(normalized, self.packed, True) * row_max
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes [out, in] and their fp32 scales [out]: w ~= codes * scale."""
+    scales = weight.abs().amax(dim=1).clamp_min(_TINY) / _INT8_MAX
+    codes = torch.round(weight / scales[:, None]).clamp(-_INT8_MAX, _INT8_MAX)
+    return codes.to(torch.int8), scales
+
+
+def _prepack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    zero_points = torch.zeros(codes.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        # fbgemm's prepack takes only a quantized tensor, whose constructors warn that they
+        # are deprecated; the kernel itself is what we use (the warning is not for users).
+        warnings.simplefilter("ignore", UserWarning)
+        weight = torch._make_per_channel_quantized_tensor(codes, scales.double(), zero_points, 0)
+        return torch.ops.quantized.linear_prepack(weight, None)
+
+
+LINEAR_CLASSES: dict[str, type[nn.Module]] = {"fp16": Fp16Linear, "int8": Int8Linear}
+
+
+def quantize_linears(module: nn.Module, linear_class: type[nn.Module]) -> int:
+    """Replace every nn.Linear under `module` by `linear_class` (in place); returns the count."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, linear_class(child.weight, child.bias))
+            count += 1
+        else:
+            count += quantize_linears(child, linear_class)
+    return count
+
+
+def quantize_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype) -> int:
+    """Apply `mode` to a loaded Llama-family model in place: every projection and the LM head
+    (a tied head becomes a quantized copy of the embedding; the lookup keeps the fp32 table).
+    Returns the number of linears replaced (0 for "none", which leaves the model exact)."""
+    if mode == "none":
+        return 0
+    if device.type != "cpu" or dtype != torch.float32:
+        raise ParamError("quantization", f"quantization {mode} runs on the CPU in float32 only")
+    if not can_quantize():
+        raise ParamError(
+            "quantization", f"quantization {mode} needs fbgemm and an AVX2 CPU; use none"
+        )
+    linear_class = LINEAR_CLASSES[mode]
+    count = quantize_linears(model.model, linear_class)
+    head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head = linear_class(head, None)
+    return count + 1
