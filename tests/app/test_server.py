@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -20,6 +18,7 @@ import openai
 import pytest
 from fake_engine import Failure, FakeEngine
 from helpers import MODEL, chat_body, make_settings
+from serve_fake import spawn
 from tiny_tokenizer import FAKE_TEXTS
 
 from app.server import DrainingServer, build_server, create_app
@@ -190,18 +189,8 @@ def test_drain_past_the_grace_period_aborts_what_is_left(engine: FakeEngine) -> 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_drains_then_exits(tokenizer_dir: Path) -> None:
-    script = Path(__file__).with_name("serve_fake.py")
-    repo_root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), str(repo_root)])}
-    child = subprocess.Popen(
-        [sys.executable, str(script), str(tokenizer_dir), "0.1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    child, url = spawn(tokenizer_dir, 0.1)
     try:
-        url = f"http://127.0.0.1:{child.stdout.readline().strip()}"
         wait_until(lambda: _is_ready(url), "the child server to become ready")
         with httpx.stream(
             "POST", url + "/v1/chat/completions", json=chat_body(stream=True)

@@ -6,9 +6,7 @@ finish_reason: tests/app/test_server.py::test_sigterm_drains_then_exits.)"""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +18,7 @@ APP_TESTS = Path(__file__).resolve().parents[1] / "app"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(APP_TESTS))
 
+from serve_fake import spawn  # noqa: E402
 from tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 
 TIMEOUT_S = 30.0
@@ -42,17 +41,8 @@ def _wait_ready(url: str) -> None:
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_past_the_grace_ends_the_stream_with_an_error_and_done(tmp_path: Path) -> None:
     tokenizer_dir = build_tiny_tokenizer(tmp_path / "tokenizer")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(APP_TESTS), str(REPO_ROOT)])}
-    script = APP_TESTS / "serve_fake.py"
-    child = subprocess.Popen(
-        [sys.executable, str(script), str(tokenizer_dir), str(STEP_DELAY_S), str(GRACE_S)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    child, url = spawn(tokenizer_dir, STEP_DELAY_S, GRACE_S)
     try:
-        url = f"http://127.0.0.1:{child.stdout.readline().strip()}"
         _wait_ready(url)
         body = {
             "model": "fake-model",
