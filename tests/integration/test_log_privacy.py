@@ -73,8 +73,10 @@ def send_traffic(base_url: str, marker: str) -> list[int]:
     statuses.append(http.post("/completions", content=too_big).status_code)
     wrong = {"Authorization": f"Bearer {WRONG_KEY}"}
     statuses.append(http.post("/chat/completions", json=chat, headers=wrong).status_code)
-    _disconnect_mid_stream(http, {**chat, "max_tokens": 64, "stream": True})
-    _disconnect_before_the_answer(http, {**chat, "max_tokens": 64})
+    # ignore_eos: the answer must outlast the client, whatever the CPU's speed.
+    long_answer = {**chat, "max_tokens": 200, "ignore_eos": True}
+    _disconnect_mid_stream(http, {**long_answer, "stream": True})
+    _disconnect_before_the_answer(http, long_answer)
     http.close()
     return statuses
 
