@@ -1,4 +1,4 @@
-"""`kvshare serve | generate | estimate | healthcheck`.
+"""`kvshare serve | generate | estimate | healthcheck | build-kernels`.
 
 Heavy imports (torch, the engine runtime) happen inside the subcommand that needs them,
 so `kvshare --help`, `kvshare healthcheck` and the app modules stay light.
@@ -57,7 +57,31 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments=_add_healthcheck_arguments,
         handler=_healthcheck,
     )
+    kernels = commands.add_parser(
+        "build-kernels",
+        help="compile the native CPU kernels ahead, for hosts without a compiler",
+        description="Compile the portable levels of the native CPU kernels into DIR; a host "
+        "without a C++ compiler loads the best one it runs when KVSHARE_PREBUILT_KERNELS=DIR.",
+    )
+    kernels.add_argument("directory", metavar="DIR", type=Path)
+    kernels.add_argument(
+        "--levels", default="avx512,avx2,baseline", help="comma-separated, best first"
+    )
+    kernels.set_defaults(handler=_build_kernels)
     return parser
+
+
+def _build_kernels(args: argparse.Namespace) -> int:
+    from engine.runtime.cpu.native import NativeBuildError, build_prebuilt
+
+    levels = tuple(level.strip() for level in args.levels.split(",") if level.strip())
+    try:
+        for path in build_prebuilt(args.directory, levels):
+            print(path)
+    except (NativeBuildError, ValueError) as exc:
+        print(f"kvshare build-kernels: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _add_command(commands, name: str, help_text: str, add_arguments, handler) -> None:

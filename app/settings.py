@@ -117,6 +117,11 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return {section: dict(data.get(section) or {}) for section in ("server", "engine")}
 
 
+# KVSHARE_ variables that are no settings but read by the CPU runtime itself
+# (engine/runtime/cpu/capabilities.py, native.py): no warning for them.
+RUNTIME_ENV = frozenset({"KVSHARE_CPU_ISA", "KVSHARE_CPU_BF16_LINEAR", "KVSHARE_PREBUILT_KERNELS"})
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """Flat key -> value from KVSHARE_<KEY> variables.
 
@@ -125,7 +130,7 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """
     overrides: dict[str, Any] = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name in RUNTIME_ENV:
             continue
         key = name[len(ENV_PREFIX) :].lower()
         if key not in SERVER_KEYS and key not in ENGINE_KEYS:

@@ -4,11 +4,13 @@
 #   NETWORK: host (default; works where Docker has no bridge network) or bridge (ports
 #   published on 127.0.0.1). Needs docker, curl and python3 on the host.
 # Two runs of the image's own command (first start, HEALTHCHECK, the embedded default model):
-#   1. default port, default grace: /ready, chat, streamed chat, /metrics, uid, `healthy`, the
-#      pinned versions, then `docker stop` during a stream that finishes within the grace;
+#   1. default port, default grace: /ready, chat, streamed chat, /metrics, the prebuilt native
+#      kernels loaded, uid, `healthy`, the pinned versions, then `docker stop` during a stream
+#      that finishes within the grace;
 #   2. `kvshare serve --port 18190` (the health check must follow it) with a 3 s grace and a
 #      stream that outlives it: the stream must end with an error event and [DONE].
-# Both stops must exit 0 within --stop-timeout, never cut a stream.
+# Both stops must exit 0 within --stop-timeout, never cut a stream. Last, the image size against
+# SIZE_GOAL_BYTES (default 1.6 GB, the CPU image's goal).
 set -uo pipefail
 
 IMAGE=${1:?usage: $0 IMAGE [host|bridge]}
@@ -136,6 +138,11 @@ generated=$(awk '/^kvshare_generation_tokens_total /{print $2}' "$WORK/metrics.t
 check "/metrics" "kvshare_generation_tokens_total ${generated:-missing}" \
     python3 -c "import sys; sys.exit(not float('${generated:-0}') >= 32)"
 
+# No compiler in the image: the native kernels must come prebuilt, not fall back to torch.
+kernels=$(docker logs "$CONTAINER" 2>&1 | grep -o 'prebuilt native CPU kernels [^ ]*' | head -1)
+check "native kernels, prebuilt" "${kernels:-none loaded}" \
+    sh -c "[ -n '$kernels' ] && ! docker logs '$CONTAINER' 2>&1 | grep -q 'using the torch attention'"
+
 uid=$(docker exec "$CONTAINER" id -u)
 check "runs as uid 10001" "uid $uid" [ "$uid" = 10001 ]
 
@@ -180,7 +187,9 @@ docker rm "$CONTAINER" >/dev/null
 CONTAINER=""
 
 size=$(docker image inspect --format '{{.Size}}' "$IMAGE")
-row "image size" PASS "$(python3 -c "print(f'{$size / 1e9:.2f} GB ({$size / 2**30:.2f} GiB)')")"
+SIZE_GOAL_BYTES=${SIZE_GOAL_BYTES:-1600000000}  # the CPU image's goal; the CUDA one: set it
+check "image size" "$(python3 -c "print(f'{$size / 1e9:.3f} GB ({$size / 2**30:.2f} GiB), goal < {$SIZE_GOAL_BYTES / 1e9:.2f} GB')")" \
+    [ "$size" -lt "$SIZE_GOAL_BYTES" ]
 
 echo
 echo "| check | result | detail |"

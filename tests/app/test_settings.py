@@ -12,6 +12,7 @@ import pytest
 from app.cli import build_parser, main
 from app.settings import (
     ENGINE_KEYS,
+    RUNTIME_ENV,
     SERVER_KEYS,
     ServerSettings,
     Settings,
@@ -97,6 +98,16 @@ def test_unknown_env_name_is_skipped_with_a_warning(caplog) -> None:
     settings = load_settings(None, {"KVSHARE_PROT": "1"})
     assert settings == Settings()
     assert "KVSHARE_PROT" in caplog.text
+
+
+def test_the_cpu_runtimes_own_variables_are_no_settings_and_not_warned_about(caplog) -> None:
+    from engine.runtime.cpu import capabilities, native
+
+    # The names the runtime reads are the ones the settings leave to it.
+    assert {capabilities.ISA_ENV, capabilities.BF16_LINEAR_ENV, native.PREBUILT_ENV} == RUNTIME_ENV
+    caplog.set_level(logging.WARNING)
+    assert load_settings(None, dict.fromkeys(RUNTIME_ENV, "avx2")) == Settings()
+    assert caplog.text == ""
 
 
 @pytest.mark.parametrize(

@@ -163,7 +163,14 @@ def test_dockerfile_port_healthcheck_user_and_command(dockerfile: Path):
 
 def test_cpu_image_converts_the_default_model_and_never_names_cuda():
     text = DOCKERFILE.read_text()
-    assert "kvshare generate --prompt hi --max-tokens 1" in text
+    build, runtime = text.split("\nFROM ${PYTHON_IMAGE}\n")
+    # The build stage serves once (converting the model into /cache); the runtime gets its cache.
+    assert "scripts/warm_image.py config/cpu.yaml" in build and "KVSHARE_CACHE_DIR=/cache" in build
+    assert "COPY --from=build --chown=10001:10001 /cache /var/cache/kvshare" in runtime
+    # No compiler at run time: the kernels are built in the build stage where the runtime looks.
+    (kernels_dir,) = re.findall(r"kvshare build-kernels (\S+)", build)
+    assert f"KVSHARE_PREBUILT_KERNELS={kernels_dir}" in runtime
+    assert "g++" not in "".join(_instruction(runtime, "RUN"))
     # The variant is the file: the legacy builder, which builds every stage, pulls no CUDA base.
     assert _instruction(text, "FROM") == ["${PYTHON_IMAGE} AS build", "${PYTHON_IMAGE}"]
     assert "nvidia/cuda" not in text

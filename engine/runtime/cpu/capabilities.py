@@ -14,9 +14,10 @@ Two answers differ between the x86-64 CPUs kvshare runs on:
 Two environment variables force the lower path, to run (or test) it on a CPU that has the
 higher one, or to step around a fast path that misbehaves:
 
-- KVSHARE_CPU_ISA=avx2|baseline builds the native kernels for that level (-march=x86-64-v3
-  or -march=x86-64-v2) instead of -march=native. A level above this CPU's is ignored with a
-  warning: its code would stop on an illegal instruction.
+- KVSHARE_CPU_ISA=avx512|avx2|baseline builds the native kernels for that level
+  (-march=x86-64-v4, -v3 or -v2: the portable builds a runtime image ships prebuilt) instead
+  of -march=native. A level above this CPU's is ignored with a warning: its code would stop on
+  an illegal instruction.
 - KVSHARE_CPU_BF16_LINEAR=0 never packs bfloat16 linears; they run on F.linear.
 
 Both are read when cpu_capabilities() first runs (it is cached; tests clear the cache).
@@ -46,7 +47,7 @@ _ISA_FLAGS = (
     ("baseline", frozenset({"sse4_2", "popcnt"})),
 )
 _ISA_ORDER = tuple(level for level, _ in _ISA_FLAGS)
-FORCED_LEVELS = ("avx2", "baseline")  # the kernel builds offered below -march=native
+FORCED_LEVELS = ("avx512", "avx2", "baseline")  # the portable kernel builds, best first
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class CpuCapabilities:
 
     def kernel_levels(self) -> tuple[str, ...]:
         """Every kernel build level whose code runs here: kernel_isa first, then each lower
-        forced level (on an AVX-512 CPU: native, avx2, baseline)."""
+        forced level (on an AVX-512 CPU: native, avx512, avx2, baseline)."""
         lower = tuple(level for level in FORCED_LEVELS if _runs_on(level, self.isa))
         return (self.kernel_isa, *(level for level in lower if level != self.kernel_isa))
 
@@ -75,6 +76,12 @@ def cpu_capabilities() -> CpuCapabilities:
     capabilities = probe()
     logger.info("CPU capabilities: %s", capabilities)
     return capabilities
+
+
+def levels_run_here(levels: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of `levels` (names of x86-64 levels) whose code this CPU executes, in their order."""
+    isa = cpu_capabilities().isa
+    return tuple(level for level in levels if _runs_on(level, isa))
 
 
 def available_isa_levels() -> tuple[str, ...]:
@@ -125,7 +132,7 @@ def _forced_isa(value: str, detected: str) -> str | None:
     if value in ("", "native"):
         return None
     if value not in FORCED_LEVELS:
-        logger.warning("ignoring %s=%s: expected native, avx2 or baseline", ISA_ENV, value)
+        logger.warning("ignoring %s=%s: expected native, avx512, avx2 or baseline", ISA_ENV, value)
         return None
     if not _runs_on(value, detected):
         logger.warning("ignoring %s=%s: this CPU's best level is %s", ISA_ENV, value, detected)

@@ -9,10 +9,15 @@ the flags and the compiler, then loaded with ctypes.
 
 The ISA level picks the target (engine/runtime/cpu/capabilities.py says which run here):
 "native" (-march=native, the default; its key also holds this CPU's flags, as its code is only
-valid on the same CPU), or a forced lower level: "avx2" (-march=x86-64-v3: AVX2 and FMA, no
-AVX-512) or "baseline" (-march=x86-64-v2: SSE4.2). One source serves them all: its vectors are
-GCC vector extensions of 16 floats, which the compiler splits into as many registers as the
-level has.
+valid on the same CPU), or a forced portable level: "avx512" (-march=x86-64-v4: AVX-512 F, BW,
+CD, DQ, VL), "avx2" (-march=x86-64-v3: AVX2 and FMA) or "baseline" (-march=x86-64-v2:
+SSE4.2). One source serves them all: its vectors are GCC vector extensions of 16 floats, which
+the compiler splits into as many registers as the level has.
+
+Where no compiler is installed (the runtime container image), libraries built ahead of time are
+loaded instead: `kvshare build-kernels DIR` compiles the portable levels into DIR, and with
+KVSHARE_PREBUILT_KERNELS=DIR a process without a compiler loads the best of them that this CPU
+runs (the forced level, if one is).
 """
 
 from __future__ import annotations
@@ -38,7 +43,16 @@ SOURCE = Path(__file__).with_name("kernels.cpp")
 # -Wno-psabi: 64-byte vectors below AVX-512 change a calling convention, but only between the
 # source's own inlined helpers, never across the library's C entry points.
 BASE_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-Wno-psabi")
-MARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3", "baseline": "-march=x86-64-v2"}
+MARCH = {
+    "native": "-march=native",
+    "avx512": "-march=x86-64-v4",
+    "avx2": "-march=x86-64-v3",
+    "baseline": "-march=x86-64-v2",
+}
+# The levels a library can be built for on another machine (an image's build stage), best first:
+# -march=native code is valid only on the CPU that compiled it.
+PREBUILT_LEVELS = capabilities.FORCED_LEVELS
+PREBUILT_ENV = "KVSHARE_PREBUILT_KERNELS"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype argument
 
 
@@ -49,16 +63,17 @@ class NativeBuildError(RuntimeError):
 def compile_flags(isa: str) -> tuple[str, ...]:
     """The compiler flags of one ISA level (a key of MARCH)."""
     flags = (*BASE_FLAGS, MARCH[isa])
-    if isa == "native" and platform.machine() in ("x86_64", "AMD64"):
+    if isa in ("native", "avx512") and platform.machine() in ("x86_64", "AMD64"):
         # GCC's default tuning splits 512-bit vectors on some x86 CPUs (Zen 4); ask for whole ones.
         flags += ("-mprefer-vector-width=512",)
     return flags
 
 
 def load_library(build_dir: Path, isa: str | None = None) -> ctypes.CDLL:
-    """The kernel library built for `isa` ("native" | "avx2" | "baseline"; default: the probe's
-    kernel_isa, native unless KVSHARE_CPU_ISA forces lower), built once and cached on disk and
-    in this process. Raises NativeBuildError."""
+    """The kernel library built for `isa` (a key of MARCH; default: the probe's kernel_isa,
+    native unless KVSHARE_CPU_ISA forces lower), built once and cached on disk and in this
+    process; without a compiler, a prebuilt one (see the module docstring). Raises
+    NativeBuildError."""
     level = capabilities.cpu_capabilities().kernel_isa if isa is None else isa
     if level not in MARCH:
         raise ValueError(f"ISA level must be one of {tuple(MARCH)}, got {level!r}")
@@ -67,17 +82,73 @@ def load_library(build_dir: Path, isa: str | None = None) -> ctypes.CDLL:
 
 @cache
 def _load_library(build_dir: Path, isa: str) -> ctypes.CDLL:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = _find_compiler()
     if compiler is None:
-        raise NativeBuildError("no C++ compiler found (install g++ or set CXX)")
+        return _load_prebuilt(isa)
     try:
         target = build_dir / f"kernels-{isa}-{_build_key(compiler, isa)}.so"
         if not target.is_file():
             _compile(compiler, isa, target)
+            _remove_other_builds(target, f"kernels-{isa}-*.so", "cpu_kernels-*.so")
         library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:  # unwritable dir, bad CXX, bad .so
         raise NativeBuildError(f"cannot build or load the kernel with {compiler!r}: {exc}") from exc
     _declare(library)
+    return library
+
+
+def build_prebuilt(directory: Path, levels: tuple[str, ...] = PREBUILT_LEVELS) -> list[Path]:
+    """Compile `levels` into `directory` for hosts without a compiler (KVSHARE_PREBUILT_KERNELS);
+    the builds of an older source there are removed. Returns the libraries' paths."""
+    unknown = [level for level in levels if level not in PREBUILT_LEVELS]
+    if unknown:
+        raise ValueError(f"prebuilt levels must be among {PREBUILT_LEVELS}, got {unknown}")
+    compiler = _find_compiler()
+    if compiler is None:
+        raise NativeBuildError("no C++ compiler found (install g++ or set CXX)")
+    targets = []
+    for level in levels:
+        target = directory / prebuilt_name(level)
+        try:
+            _compile(compiler, level, target)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise NativeBuildError(f"cannot build the kernel with {compiler!r}: {exc}") from exc
+        _remove_other_builds(target, f"prebuilt-{level}-*.so")
+        targets.append(target)
+    return targets
+
+
+def prebuilt_name(level: str) -> str:
+    """The file name of a prebuilt library: its level and a hash of the source and the flags
+    (a library of another source revision is never loaded)."""
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join(compile_flags(level)).encode())
+    return f"prebuilt-{level}-{digest.hexdigest()[:16]}.so"
+
+
+def _find_compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _load_prebuilt(isa: str) -> ctypes.CDLL:
+    """The best prebuilt library that runs here: for "native" the highest portable level this
+    CPU executes, else exactly the forced level."""
+    directory = os.environ.get(PREBUILT_ENV)
+    levels = capabilities.levels_run_here(PREBUILT_LEVELS) if isa == "native" else (isa,)
+    candidates = [Path(directory) / prebuilt_name(level) for level in levels] if directory else []
+    found = next((path for path in candidates if path.is_file()), None)
+    if found is None:
+        where = f"in {directory}" if directory else f"({PREBUILT_ENV} is not set)"
+        raise NativeBuildError(
+            "no C++ compiler found (install g++ or set CXX) and no prebuilt kernel library "
+            f"for {' or '.join(levels) or 'this CPU'} {where}"
+        )
+    try:
+        library = ctypes.CDLL(str(found))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load the prebuilt kernel {found}: {exc}") from exc
+    _declare(library)
+    logger.info("no C++ compiler here: using the prebuilt native CPU kernels %s", found)
     return library
 
 
@@ -104,17 +175,16 @@ def _compile(compiler: str, isa: str, target: Path) -> None:
         if result.returncode != 0:
             raise NativeBuildError(f"compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
         built.replace(target)
-    _remove_other_builds(isa, target)
 
 
-def _remove_other_builds(isa: str, target: Path) -> None:
-    """Drop this level's libraries of other sources or compilers: one build per source revision
-    would pile up. A process still running an old one keeps its mapping (Linux unlinks lazily);
-    the other levels' builds stay, each is valid on its own."""
-    legacy = target.parent.glob("cpu_kernels-*.so")  # named before the level was in the name
-    for stale in [*target.parent.glob(f"kernels-{isa}-*.so"), *legacy]:
-        if stale != target:
-            stale.unlink(missing_ok=True)
+def _remove_other_builds(target: Path, *patterns: str) -> None:
+    """Drop the libraries of other sources or compilers that `patterns` match beside `target`
+    (one level's): one build per source revision would pile up. A process still running an old
+    one keeps its mapping (Linux unlinks lazily); the other levels' builds stay."""
+    for pattern in patterns:
+        for stale in target.parent.glob(pattern):
+            if stale != target:
+                stale.unlink(missing_ok=True)
 
 
 def _declare(library: ctypes.CDLL) -> None:

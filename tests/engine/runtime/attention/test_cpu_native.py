@@ -1,7 +1,7 @@
 """The native CPU decode kernel vs the naive paged reference, and how it is built and chosen.
 
 The reference comparisons run once per kernel build level this CPU executes (the probe's
-available_isa_levels(): native, avx2 and baseline on an AVX-512 CPU), so the lower levels an
+available_isa_levels(): native, avx512, avx2 and baseline on an AVX-512 CPU), so the levels an
 AVX2-only CPU gets are checked here too.
 """
 
@@ -175,12 +175,17 @@ def test_library_is_built_once_per_source_and_reused(build_dir: Path, backend) -
 
 @pytest.mark.parametrize(
     ("isa", "march"),
-    [("native", "-march=native"), ("avx2", "-march=x86-64-v3"), ("baseline", "-march=x86-64-v2")],
+    [
+        ("native", "-march=native"),
+        ("avx512", "-march=x86-64-v4"),
+        ("avx2", "-march=x86-64-v3"),
+        ("baseline", "-march=x86-64-v2"),
+    ],
 )
 def test_each_level_builds_for_its_own_target(isa: str, march: str) -> None:
     flags = native.compile_flags(isa)
     assert march in flags and sum(f.startswith("-march=") for f in flags) == 1
-    if isa != "native":  # 512-bit vectors are for AVX-512 CPUs only
+    if isa in ("avx2", "baseline"):  # 512-bit vectors are for AVX-512 CPUs only
         assert "-mprefer-vector-width=512" not in flags
 
 
@@ -203,16 +208,17 @@ SSE4 = frozenset({"sse4_2", "popcnt"})
 
 # (cpu flags, KVSHARE_CPU_ISA) -> (isa, kernel_levels), kernel_isa first.
 ISA_CASES = {
-    "avx512": (AVX512, "", "avx512", ("native", "avx2", "baseline")),
+    "avx512": (AVX512, "", "avx512", ("native", "avx512", "avx2", "baseline")),
     "avx512-without-bw-is-avx2": (AVX2 | {"avx512f"}, "", "avx2", ("native", "avx2", "baseline")),
     "avx2": (AVX2, "", "avx2", ("native", "avx2", "baseline")),
     "sse4": (SSE4, "", "baseline", ("native", "baseline")),
     "not-x86": (frozenset({"fp", "asimd"}), "", "native", ("native",)),
+    "avx512-forced-avx512": (AVX512, "AVX512", "avx512", ("avx512", "avx2", "baseline")),
     "avx512-forced-avx2": (AVX512, "avx2", "avx2", ("avx2", "baseline")),
     "avx2-forced-baseline": (AVX2, " Baseline ", "baseline", ("baseline",)),
     "forced-native": (AVX2, "native", "avx2", ("native", "avx2", "baseline")),
     "forced-above-the-cpu-is-ignored": (SSE4, "avx2", "baseline", ("native", "baseline")),
-    "forced-avx512-is-no-level": (AVX512, "avx512", "avx512", ("native", "avx2", "baseline")),
+    "avx2-forced-avx512-is-ignored": (AVX2, "avx512", "avx2", ("native", "avx2", "baseline")),
     "not-x86-forced-is-ignored": (frozenset(), "avx2", "native", ("native",)),
 }
 
