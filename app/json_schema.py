@@ -25,11 +25,13 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError as JSONSchemaError
 
+from engine.core.config import MAX_SCHEMA_BYTES_CEILING
 from engine.core.errors import ParamError
 
-# Canonical JSON text, in bytes: the engine's default cap too (its max_schema_bytes setting; a
-# lower setting there still refuses with its own 400).
-MAX_SCHEMA_BYTES = 64 * 1024
+# Canonical JSON text, in bytes: the most any max_schema_bytes setting may allow, checked while
+# the request is parsed so no larger schema is walked; the configured cap (app/limits.py, a 400
+# naming max_schema_bytes) comes right after.
+MAX_SCHEMA_BYTES = MAX_SCHEMA_BYTES_CEILING
 MAX_SCHEMA_DEPTH = 32  # nesting of JSON containers; keeps every walk of the schema shallow
 PARAM = "response_format"
 WHERE = "response_format.json_schema.schema"

@@ -16,6 +16,9 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 # none: exact (the oracle for every equality test); fp16: fp16 weights, fp32 math; int8: int8
 # weights and per-token int8 activations. CPU float32 only (engine/runtime/cpu/quant.py).
 QUANTIZATIONS = ("none", "fp16", "int8")
+# The most max_schema_bytes may allow. The edge (app/json_schema.py) refuses larger schemas
+# while parsing, before any schema work; the configured cap is checked after (app/limits.py).
+MAX_SCHEMA_BYTES_CEILING = 1024 * 1024
 # config key -> the values it may take
 CHOICES: dict[str, tuple[object, ...]] = {
     "dtype": DTYPES,
@@ -76,7 +79,8 @@ class EngineConfig:
     # Structured output (engine/runtime/grammar.py): a response_format is compiled into a
     # grammar off the engine thread; slower or larger schemas fail only their request.
     grammar_compile_timeout_seconds: float = 10.0
-    max_schema_bytes: int = 64 * 1024  # a json_schema's canonical text, in bytes
+    # A json_schema's canonical text, in bytes; at most MAX_SCHEMA_BYTES_CEILING.
+    max_schema_bytes: int = 64 * 1024
     grammar_cache_size: int = 256  # compiled grammars kept (LRU)
     # Speculative decoding by n-gram prompt lookup (engine/core/spec_ngram.py): up to this many
     # draft tokens per decode step (0: off), found by matching the last min..max tokens
@@ -140,7 +144,11 @@ class EngineConfig:
                 "grammar_compile_timeout_seconds",
                 "must be > 0",
             ),
-            (self.max_schema_bytes >= 1, "max_schema_bytes", "must be >= 1"),
+            (
+                1 <= self.max_schema_bytes <= MAX_SCHEMA_BYTES_CEILING,
+                "max_schema_bytes",
+                f"must be within [1, {MAX_SCHEMA_BYTES_CEILING}]",
+            ),
             (self.grammar_cache_size >= 1, "grammar_cache_size", "must be >= 1"),
             (self.speculative_ngram_tokens >= 0, "speculative_ngram_tokens", "must be >= 0"),
             (self.speculative_ngram_min >= 1, "speculative_ngram_min", "must be >= 1"),

@@ -21,7 +21,8 @@ from openai_schemas import assert_valid
 
 from app.json_schema import canonical_json
 from app.settings import ServerSettings, Settings
-from engine.core.config import EngineConfig
+from engine.core.config import MAX_SCHEMA_BYTES_CEILING, EngineConfig
+from engine.core.errors import ParamError
 
 pytestmark = pytest.mark.anyio
 
@@ -315,3 +316,21 @@ async def test_a_body_the_parser_cannot_read_is_a_400_invalid_json(client, conte
     body = response.json()
     assert_valid("ErrorResponse", body)
     assert body["error"]["code"] == "invalid_json"
+
+
+async def test_max_schema_bytes_above_the_old_64_kib_takes_effect(engine: FakeEngine) -> None:
+    """A raised cap is the cap: 100 KB of schema is served under 128 KiB, refused one past it."""
+    raised = 128 * 1024
+    settings = Settings(engine=EngineConfig(max_schema_bytes=raised))
+    async with open_client(engine, settings) as client:
+        route, body = chat(response_format=json_schema_format(100_000))
+        assert (await client.post(route, json=body)).status_code == 200
+        route, body = chat(response_format=json_schema_format(raised + 1))
+        assert str(raised) in assert_refused(await client.post(route, json=body), "response_format")
+
+
+def test_max_schema_bytes_cannot_pass_the_ceiling() -> None:
+    EngineConfig(max_schema_bytes=MAX_SCHEMA_BYTES_CEILING)
+    with pytest.raises(ParamError, match="max_schema_bytes") as raised:
+        EngineConfig(max_schema_bytes=MAX_SCHEMA_BYTES_CEILING + 1)
+    assert str(MAX_SCHEMA_BYTES_CEILING) in str(raised.value)
