@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "without a C++ compiler loads the best one it runs when KVSHARE_PREBUILT_KERNELS=DIR.",
     )
     kernels.add_argument("directory", metavar="DIR", type=Path)
-    kernels.add_argument(
+    kernels.add_argument(  # engine.runtime.cpu.native.PREBUILT_LEVELS, kept light here
         "--levels", default="avx512,avx2,baseline", help="comma-separated, best first"
     )
     kernels.set_defaults(handler=_build_kernels)

@@ -28,9 +28,9 @@ from jsonschema.exceptions import SchemaError as JSONSchemaError
 from engine.core.config import MAX_SCHEMA_BYTES_CEILING
 from engine.core.errors import ParamError
 
-# Canonical JSON text, in bytes: the most any max_schema_bytes setting may allow, checked while
-# the request is parsed so no larger schema is walked; the configured cap (app/limits.py, a 400
-# naming max_schema_bytes) comes right after.
+# Canonical JSON text, in bytes: the most any max_schema_bytes setting may allow. The served
+# routes check the configured cap first (app/limits.py, a 400 naming max_schema_bytes); this is
+# the backstop for any caller of check_schema that does not.
 MAX_SCHEMA_BYTES = MAX_SCHEMA_BYTES_CEILING
 MAX_SCHEMA_DEPTH = 32  # nesting of JSON containers; keeps every walk of the schema shallow
 PARAM = "response_format"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run a kvshare image as a user would and check what they hit; print a table, exit 1 on a FAIL.
+# Run the kvshare CPU image as a user would and check what they hit; print a table, exit 1 on a
+# FAIL. (The CUDA image has no prebuilt CPU kernels and another size: this script is not for it.)
 # Usage: scripts/container_smoke.sh IMAGE [NETWORK]
 #   NETWORK: host (default; works where Docker has no bridge network) or bridge (ports
 #   published on 127.0.0.1). Needs docker, curl and python3 on the host.
@@ -187,7 +188,7 @@ docker rm "$CONTAINER" >/dev/null
 CONTAINER=""
 
 size=$(docker image inspect --format '{{.Size}}' "$IMAGE")
-SIZE_GOAL_BYTES=${SIZE_GOAL_BYTES:-1600000000}  # the CPU image's goal; the CUDA one: set it
+SIZE_GOAL_BYTES=${SIZE_GOAL_BYTES:-1600000000}  # the CPU image's goal
 check "image size" "$(python3 -c "print(f'{$size / 1e9:.3f} GB ({$size / 2**30:.2f} GiB), goal < {$SIZE_GOAL_BYTES / 1e9:.2f} GB')")" \
     [ "$size" -lt "$SIZE_GOAL_BYTES" ]
 

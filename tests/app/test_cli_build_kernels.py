@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import platform
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from engine.runtime.cpu import native
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the prebuilt levels are x86-64's")
 def test_builds_the_levels_asked_and_prints_their_paths(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -29,3 +31,12 @@ def test_an_unknown_level_is_an_error_naming_the_levels(
     error = capsys.readouterr().err
     assert "avx9" in error and "avx512" in error
     assert not tmp_path.joinpath(native.prebuilt_name("avx2")).exists()  # checked before building
+
+
+def test_no_level_is_an_error_and_the_default_is_every_prebuilt_level(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert cli.main(["build-kernels", str(tmp_path), "--levels", ","]) == 1
+    assert "prebuilt levels must be among" in capsys.readouterr().err
+    default = cli.build_parser().parse_args(["build-kernels", str(tmp_path)]).levels
+    assert tuple(default.split(",")) == native.PREBUILT_LEVELS

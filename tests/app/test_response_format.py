@@ -10,7 +10,13 @@ from fake_engine import FakeEngine
 from helpers import chat_body
 from openai_schemas import assert_valid
 
-from app.json_schema import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
+from app.json_schema import (
+    MAX_SCHEMA_BYTES,
+    MAX_SCHEMA_DEPTH,
+    SchemaRefused,
+    canonical_json,
+    check_schema,
+)
 from engine.core.sampling_params import StructuredOutput
 
 pytestmark = pytest.mark.anyio
@@ -86,7 +92,7 @@ async def test_streamed_request_carries_the_constraint(client, engine: FakeEngin
 DEEP: dict = {"type": "array"}
 for _ in range(MAX_SCHEMA_DEPTH):
     DEEP = {"type": "array", "items": DEEP}
-BIG = {  # over the ceiling no setting can raise: refused while the request is parsed
+BIG = {  # over the default max_schema_bytes (and the ceiling): app/limits.py refuses it
     "type": "object",
     "properties": {f"p{i}": {"type": "string"} for i in range(MAX_SCHEMA_BYTES // 20)},
 }
@@ -165,3 +171,12 @@ async def test_openapi_documents_the_real_shape(client):
     assert spec["required"] == ["name"]
     assert set(spec["properties"]) == {"name", "description", "schema", "strict"}
     assert spec["properties"]["name"]["pattern"] == "^[a-zA-Z0-9_-]{1,64}$"
+
+
+def test_check_schema_refuses_past_the_ceiling_whatever_the_setting() -> None:
+    """The backstop behind the configured cap: a schema one byte over 1 MiB of canonical JSON."""
+    base = len(canonical_json({"description": "", "type": "object"}))
+    at_ceiling = {"type": "object", "description": "x" * (MAX_SCHEMA_BYTES - base)}
+    assert len(check_schema(at_ceiling).encode()) == MAX_SCHEMA_BYTES
+    with pytest.raises(SchemaRefused, match=f"the limit is {MAX_SCHEMA_BYTES}"):
+        check_schema({**at_ceiling, "description": at_ceiling["description"] + "x"})

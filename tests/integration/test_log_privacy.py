@@ -36,7 +36,7 @@ def logging_server(log_path: Path, *flags: str) -> Iterator[str]:
     port = free_port()
     command = [sys.executable, "-m", "app.cli", "serve", "--config", "config/cpu.yaml"]
     command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "debug"]
-    command += ["--max-model-len", "256", "--default-max-tokens", "4"]
+    command += ["--max-model-len", "1024", "--default-max-tokens", "4"]
     command += ["--max-body-bytes", "16384", *flags]
     env = {**os.environ, "KVSHARE_API_KEYS": API_KEY}
     with log_path.open("w") as log:
@@ -73,8 +73,8 @@ def send_traffic(base_url: str, marker: str) -> list[int]:
     statuses.append(http.post("/completions", content=too_big).status_code)
     wrong = {"Authorization": f"Bearer {WRONG_KEY}"}
     statuses.append(http.post("/chat/completions", json=chat, headers=wrong).status_code)
-    # ignore_eos: the answer must outlast the client, whatever the CPU's speed.
-    long_answer = {**chat, "max_tokens": 200, "ignore_eos": True}
+    # ignore_eos and 600 tokens (seconds of decoding on any CPU): the answer outlasts the client.
+    long_answer = {**chat, "max_tokens": 600, "ignore_eos": True}
     _disconnect_mid_stream(http, {**long_answer, "stream": True})
     _disconnect_before_the_answer(http, long_answer)
     http.close()

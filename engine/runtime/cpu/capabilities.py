@@ -7,12 +7,12 @@ Two answers differ between the x86-64 CPUs kvshare runs on:
   there bf16 models keep plain nn.Linear (engine/runtime/cpu/linear.py, can_pack).
 - isa: the best vector level the native kernels (engine/runtime/cpu/kernels.cpp, built by
   engine/runtime/cpu/native.py) can target here, from the /proc/cpuinfo flags: "avx512"
-  (avx512f, avx512bw, avx512vl, avx512dq), "avx2" (avx2, fma), "baseline" (sse4_2, popcnt:
-  x86-64-v2), or "native" off x86-64 or without those flags, where only the compiler's own
-  -march=native is offered.
+  (x86-64-v4: avx512f, bw, vl, dq, cd), "avx2" (x86-64-v3: avx2, fma, bmi1/2, f16c, movbe,
+  lzcnt), "baseline" (x86-64-v2: sse4_2, popcnt, ...), or "native" off x86-64 or without those
+  flags, where only the compiler's own -march=native is offered.
 
-Two environment variables force the lower path, to run (or test) it on a CPU that has the
-higher one, or to step around a fast path that misbehaves:
+Two environment variables force another path than the best one, to run (or test) it on a CPU
+that has the better one, or to step around a fast path that misbehaves:
 
 - KVSHARE_CPU_ISA=avx512|avx2|baseline builds the native kernels for that level
   (-march=x86-64-v4, -v3 or -v2: the portable builds a runtime image ships prebuilt) instead
@@ -39,13 +39,14 @@ logger = logging.getLogger(__name__)
 ISA_ENV = "KVSHARE_CPU_ISA"
 BF16_LINEAR_ENV = "KVSHARE_CPU_BF16_LINEAR"
 
-# x86-64 vector levels, best first, with the /proc/cpuinfo flags each needs. Every CPU with
-# avx2 and fma (Haswell, Excavator and later) has the rest of x86-64-v3 (BMI1/2, F16C, MOVBE).
-_ISA_FLAGS = (
-    ("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})),
-    ("avx2", frozenset({"avx2", "fma"})),
-    ("baseline", frozenset({"sse4_2", "popcnt"})),
-)
+# x86-64 vector levels, best first, with the /proc/cpuinfo flags each needs: all of what
+# -march=x86-64-v4 / -v3 / -v2 let the compiler use (the portable builds already use BMI2's
+# shifts), so a VM that hides one of them gets a lower level, never an illegal instruction.
+# "abm" is how Linux names LZCNT. Each level also needs those of the levels below it.
+_V2 = frozenset({"sse4_2", "popcnt", "ssse3", "sse4_1", "cx16", "lahf_lm"})
+_V3 = _V2 | {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"}
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+_ISA_FLAGS = (("avx512", _V4), ("avx2", _V3), ("baseline", _V2))
 _ISA_ORDER = tuple(level for level, _ in _ISA_FLAGS)
 FORCED_LEVELS = ("avx512", "avx2", "baseline")  # the portable kernel builds, best first
 

@@ -101,8 +101,10 @@ def build_prebuilt(directory: Path, levels: tuple[str, ...] = PREBUILT_LEVELS) -
     """Compile `levels` into `directory` for hosts without a compiler (KVSHARE_PREBUILT_KERNELS);
     the builds of an older source there are removed. Returns the libraries' paths."""
     unknown = [level for level in levels if level not in PREBUILT_LEVELS]
-    if unknown:
-        raise ValueError(f"prebuilt levels must be among {PREBUILT_LEVELS}, got {unknown}")
+    if unknown or not levels:
+        raise ValueError(f"prebuilt levels must be among {PREBUILT_LEVELS}, got {list(levels)}")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        raise NativeBuildError(f"prebuilt levels are x86-64 levels; this is {platform.machine()}")
     compiler = _find_compiler()
     if compiler is None:
         raise NativeBuildError("no C++ compiler found (install g++ or set CXX)")
@@ -138,7 +140,9 @@ def _load_prebuilt(isa: str) -> ctypes.CDLL:
     candidates = [Path(directory) / prebuilt_name(level) for level in levels] if directory else []
     found = next((path for path in candidates if path.is_file()), None)
     if found is None:
-        where = f"in {directory}" if directory else f"({PREBUILT_ENV} is not set)"
+        where = f"in {directory}" if directory else f"({PREBUILT_ENV} is empty or not set)"
+        if directory and any(Path(directory).glob("prebuilt-*.so")):
+            where += " (only libraries of another kernels.cpp revision: rebuild them)"
         raise NativeBuildError(
             "no C++ compiler found (install g++ or set CXX) and no prebuilt kernel library "
             f"for {' or '.join(levels) or 'this CPU'} {where}"

@@ -3,6 +3,7 @@ is (the runtime image). The build here uses the real g++; "no compiler" is a PAT
 
 from __future__ import annotations
 
+import platform
 import shutil
 from pathlib import Path
 
@@ -16,9 +17,17 @@ from engine.runtime.cpu import capabilities, native
 from engine.runtime.cpu.fused import CpuFusedOps
 from engine.runtime.models.llama import RMSNorm
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler"),
+    pytest.mark.skipif(platform.machine() != "x86_64", reason="the prebuilt levels are x86-64's"),
+]
 
 CPU = torch.device("cpu")
+# An AVX2-only CPU's /proc/cpuinfo flags (x86-64-v3, no AVX-512).
+AVX2_FLAGS = frozenset(
+    {"sse4_2", "popcnt", "ssse3", "sse4_1", "cx16", "lahf_lm"}
+    | {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"}
+)
 LEVELS_HERE = capabilities.levels_run_here(native.PREBUILT_LEVELS)  # best first
 
 
@@ -32,6 +41,7 @@ def prebuilt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def no_compiler(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.delenv(native.PREBUILT_ENV, raising=False)  # each test sets its own
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no g++ and no c++ on it
     native._load_library.cache_clear()
     yield
@@ -84,6 +94,30 @@ def test_a_forced_level_loads_exactly_its_prebuilt(
 
 
 @pytest.mark.usefixtures("no_compiler")
+def test_an_avx2_cpu_skips_the_avx512_build_and_a_missing_best_level_falls_to_the_next(
+    prebuilt_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What an AVX2-only CPU (or an image missing its best build) gets, on either kind of CPU:
+    the avx2 library runs on both."""
+    if "avx2" not in LEVELS_HERE:
+        pytest.skip("this CPU does not run the avx2 build")
+    monkeypatch.setenv(native.PREBUILT_ENV, str(prebuilt_dir))
+    avx2_cpu = capabilities.probe(environ={}, flags=AVX2_FLAGS, bf16_supported=False)
+    assert avx2_cpu.isa == "avx2"
+    monkeypatch.setattr(capabilities, "cpu_capabilities", lambda: avx2_cpu)
+    assert library_name(native.load_library(tmp_path)) == native.prebuilt_name("avx2")
+    # This CPU's own best level, its file missing: the next level down is loaded.
+    monkeypatch.setattr(capabilities, "cpu_capabilities", capabilities.probe)
+    partial = tmp_path / "partial"
+    shutil.copytree(prebuilt_dir, partial)
+    (partial / native.prebuilt_name(LEVELS_HERE[0])).unlink()
+    monkeypatch.setenv(native.PREBUILT_ENV, str(partial))
+    native._load_library.cache_clear()
+    next_level = LEVELS_HERE[1]  # avx2 runs here, so at least baseline is below the best
+    assert library_name(native.load_library(tmp_path)) == native.prebuilt_name(next_level)
+
+
+@pytest.mark.usefixtures("no_compiler")
 def test_no_matching_prebuilt_is_an_error_and_auto_falls_back_to_torch(
     prebuilt_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -98,11 +132,13 @@ def test_no_matching_prebuilt_is_an_error_and_auto_falls_back_to_torch(
     native._load_library.cache_clear()
     with pytest.raises(native.NativeBuildError, match="no prebuilt kernel library") as raised:
         native.load_library(tmp_path)
-    assert str(other) in str(raised.value)
+    assert str(other) in str(raised.value) and "another kernels.cpp revision" in str(raised.value)
     assert isinstance(get_attention_backend("auto", CPU, tmp_path), TorchRefBackend)
 
 
 def test_only_portable_levels_are_prebuilt(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="native"):
         native.build_prebuilt(tmp_path, ("native",))  # valid on the build host only
+    with pytest.raises(ValueError, match="got \\[\\]"):
+        native.build_prebuilt(tmp_path, ())
     assert list(tmp_path.iterdir()) == []

@@ -200,18 +200,25 @@ def test_kvshare_cpu_isa_forces_the_lowest_level_here(
     assert Path(library._name).name.startswith(f"kernels-{lowest}-")
 
 
-AVX512 = frozenset(
-    {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "sse4_2", "popcnt"}
-)
-AVX2 = frozenset({"avx2", "fma", "sse4_2", "popcnt"})
-SSE4 = frozenset({"sse4_2", "popcnt"})
+SSE4 = frozenset({"sse4_2", "popcnt", "ssse3", "sse4_1", "cx16", "lahf_lm"})  # x86-64-v2
+AVX2 = SSE4 | {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"}  # x86-64-v3
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}  # x86-64-v4
 
 # (cpu flags, KVSHARE_CPU_ISA) -> (isa, kernel_levels), kernel_isa first.
 ISA_CASES = {
     "avx512": (AVX512, "", "avx512", ("native", "avx512", "avx2", "baseline")),
     "avx512-without-bw-is-avx2": (AVX2 | {"avx512f"}, "", "avx2", ("native", "avx2", "baseline")),
+    "avx512-without-cd-is-avx2": (
+        AVX512 - {"avx512cd"},
+        "",
+        "avx2",
+        ("native", "avx2", "baseline"),
+    ),
+    "avx2-without-bmi2-is-baseline": (AVX2 - {"bmi2"}, "", "baseline", ("native", "baseline")),
+    "avx2-without-movbe-is-baseline": (AVX2 - {"movbe"}, "", "baseline", ("native", "baseline")),
     "avx2": (AVX2, "", "avx2", ("native", "avx2", "baseline")),
     "sse4": (SSE4, "", "baseline", ("native", "baseline")),
+    "sse4-without-cx16-is-native-only": (SSE4 - {"cx16"}, "", "native", ("native",)),
     "not-x86": (frozenset({"fp", "asimd"}), "", "native", ("native",)),
     "avx512-forced-avx512": (AVX512, "AVX512", "avx512", ("avx512", "avx2", "baseline")),
     "avx512-forced-avx2": (AVX512, "avx2", "avx2", ("avx2", "baseline")),
