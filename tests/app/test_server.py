@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
 import socket
 import sys
 import threading
@@ -18,7 +17,7 @@ import openai
 import pytest
 from fake_engine import Failure, FakeEngine
 from helpers import MODEL, chat_body, make_settings
-from serve_fake import spawn
+from serve_fake import assert_exited_cleanly, ready_child, sigterm_mid_stream
 from tiny_tokenizer import FAKE_TEXTS
 
 from app.server import DrainingServer, build_server, create_app
@@ -189,32 +188,19 @@ def test_drain_past_the_grace_period_aborts_what_is_left(engine: FakeEngine) -> 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_drains_then_exits(tokenizer_dir: Path) -> None:
-    child, url = spawn(tokenizer_dir, 0.1)
-    try:
-        wait_until(lambda: _is_ready(url), "the child server to become ready")
-        with httpx.stream(
-            "POST", url + "/v1/chat/completions", json=chat_body(stream=True)
-        ) as stream:
-            lines = stream.iter_lines()
-            assert next(lines).startswith("data: ")  # the role chunk: the request is running
-            child.send_signal(signal.SIGTERM)
-            wait_until(lambda: httpx.get(url + "/ready").status_code == 503, "/ready to say 503")
-            rest = list(lines)
-        payloads = [line[len("data: ") :] for line in rest if line.startswith("data: ")]
+    with ready_child(tokenizer_dir, 0.1, timeout_s=TIMEOUT_S) as (child, url):
+        payloads = sigterm_mid_stream(
+            child,
+            url,
+            chat_body(stream=True),
+            TIMEOUT_S,
+            while_draining=lambda: wait_until(
+                lambda: httpx.get(url + "/ready").status_code == 503, "/ready to say 503"
+            ),
+        )
         assert payloads[-1] == "[DONE]"
         text = "".join(
             json.loads(p)["choices"][0]["delta"].get("content", "") for p in payloads[:-1]
         )
         assert text == FAKE_TEXTS[0]
-        assert child.wait(TIMEOUT_S) == 0
-        assert child.stdout.read().strip() == "engine shut down"
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-
-
-def _is_ready(url: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
-        return httpx.get(url + "/ready").status_code == 200
-    return False
+        assert_exited_cleanly(child, TIMEOUT_S)

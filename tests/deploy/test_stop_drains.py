@@ -6,19 +6,16 @@ finish_reason: tests/app/test_server.py::test_sigterm_drains_then_exits.)"""
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 APP_TESTS = Path(__file__).resolve().parents[1] / "app"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(APP_TESTS))
 
-from serve_fake import spawn  # noqa: E402
+from serve_fake import assert_exited_cleanly, ready_child, sigterm_mid_stream  # noqa: E402
 from tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 
 TIMEOUT_S = 30.0
@@ -26,37 +23,18 @@ GRACE_S = 0.5
 STEP_DELAY_S = 0.05  # 200 tokens: 10 s, far past the grace
 
 
-def _wait_ready(url: str) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/ready").status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError("the server did not become ready")
-
-
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_sigterm_past_the_grace_ends_the_stream_with_an_error_and_done(tmp_path: Path) -> None:
     tokenizer_dir = build_tiny_tokenizer(tmp_path / "tokenizer")
-    child, url = spawn(tokenizer_dir, STEP_DELAY_S, GRACE_S)
-    try:
-        _wait_ready(url)
-        body = {
-            "model": "fake-model",
-            "messages": [{"role": "user", "content": "hi"}],
-            "stream": True,
-            "max_tokens": 200,
-            "ignore_eos": True,
-        }
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=TIMEOUT_S) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")  # the role chunk: the request is running
-            child.send_signal(signal.SIGTERM)
-            rest = list(lines)  # raises if the connection is cut mid-body
-        payloads = [line[len("data: ") :] for line in rest if line.startswith("data: ")]
+    body = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": 200,
+        "ignore_eos": True,
+    }
+    with ready_child(tokenizer_dir, STEP_DELAY_S, GRACE_S, timeout_s=TIMEOUT_S) as (child, url):
+        payloads = sigterm_mid_stream(child, url, body, TIMEOUT_S)
         assert payloads[-1] == "[DONE]"
         last = json.loads(payloads[-2])
         assert last["error"]["code"] == "draining"
@@ -64,9 +42,4 @@ def test_sigterm_past_the_grace_ends_the_stream_with_an_error_and_done(tmp_path:
         # It ended early: some tokens came, far from all 200 (the grace, not the length, ended it).
         contents = [json.loads(p)["choices"][0]["delta"].get("content") for p in payloads[:-2]]
         assert 0 < len([c for c in contents if c]) < 200
-        assert child.wait(TIMEOUT_S) == 0
-        assert child.stdout.read().strip() == "engine shut down"
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        assert_exited_cleanly(child, TIMEOUT_S)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -26,8 +27,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(*flags: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """Start `kvshare serve` with config/cpu.yaml plus `flags`; yield its base URL.
+def running_server(
+    *flags: str, env: dict[str, str] | None = None, stderr: IO[str] | None = None
+) -> Iterator[str]:
+    """Start `kvshare serve` with config/cpu.yaml plus `flags`; yield its base URL. Its log
+    (stderr) goes to `stderr` if given, else to a pipe read when it fails to start.
 
     The exact mode (--quantization none) unless `flags` choose: the HF oracle's equalities hold
     only there, and config/cpu.yaml serves fp16 weights."""
@@ -38,7 +42,11 @@ def running_server(*flags: str, env: dict[str, str] | None = None) -> Iterator[s
         command += ["--quantization", "none"]
     command += flags
     process = subprocess.Popen(
-        command, cwd=REPO, env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, text=True
+        command,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stderr=subprocess.PIPE if stderr is None else stderr,
+        text=True,
     )
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -62,7 +70,8 @@ def wait_ready(base_url: str, process: subprocess.Popen, timeout_s: float = 300.
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited early:\n{process.stderr.read()[-4000:]}")
+            log = process.stderr.read()[-4000:] if process.stderr else "(its log went to a file)"
+            raise RuntimeError(f"server exited early:\n{log}")
         try:
             if httpx.get(f"{base_url}/ready", timeout=2.0).status_code == 200:
                 return

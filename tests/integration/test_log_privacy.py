@@ -10,9 +10,6 @@ with log_prompts on puts the marker in the log, so the search does find what is 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.server import REPO, free_port, stop_process, wait_ready
+from tests.integration.server import running_server
 
 pytestmark = pytest.mark.integration
 
@@ -33,20 +30,13 @@ WRONG_KEY = f"sk-wrong-{uuid.uuid4().hex}"
 def logging_server(log_path: Path, *flags: str) -> Iterator[str]:
     """`kvshare serve` with its stderr (the log) in `log_path`; the key comes by environment,
     as config/default.yaml advises for secrets."""
-    port = free_port()
-    command = [sys.executable, "-m", "app.cli", "serve", "--config", "config/cpu.yaml"]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "debug"]
-    command += ["--max-model-len", "1024", "--default-max-tokens", "4"]
-    command += ["--max-body-bytes", "16384", *flags]
-    env = {**os.environ, "KVSHARE_API_KEYS": API_KEY}
-    with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stderr=log, text=True)
-        base_url = f"http://127.0.0.1:{port}"
-        try:
-            wait_ready(base_url, process)
-            yield base_url
-        finally:
-            stop_process(process)
+    flags = ("--log-level", "debug", "--max-model-len", "1024", "--default-max-tokens", "4",
+             "--max-body-bytes", "16384", *flags)  # fmt: skip
+    with (
+        log_path.open("w") as log,
+        running_server(*flags, env={"KVSHARE_API_KEYS": API_KEY}, stderr=log) as base_url,
+    ):
+        yield base_url
 
 
 def send_traffic(base_url: str, marker: str) -> list[int]:

@@ -81,11 +81,17 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_linears(module: nn.Module) -> int:
     """Replace every nn.Linear under `module` by a PackedLinear (in place); returns the count."""
+    return replace_linears(module, PackedLinear)
+
+
+def replace_linears(module: nn.Module, linear_class: type[nn.Module]) -> int:
+    """Replace every nn.Linear under `module` by linear_class(weight, bias) (in place): packed
+    or quantized copies. Returns the count."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child.weight, child.bias))
+            setattr(module, name, linear_class(child.weight, child.bias))
             count += 1
         else:
-            count += pack_linears(child)
+            count += replace_linears(child, linear_class)
     return count

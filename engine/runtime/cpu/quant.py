@@ -34,6 +34,7 @@ from torch import nn
 
 from engine.core.errors import ParamError
 from engine.runtime.cpu import capabilities
+from engine.runtime.cpu.linear import replace_linears
 
 ISA_LEVELS = ("avx512", "avx2")  # the probe's levels fbgemm runs on
 _INT8_MAX = 127
@@ -107,18 +108,6 @@ def _prepack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 LINEAR_CLASSES: dict[str, type[nn.Module]] = {"fp16": Fp16Linear, "int8": Int8Linear}
 
 
-def quantize_linears(module: nn.Module, linear_class: type[nn.Module]) -> int:
-    """Replace every nn.Linear under `module` by `linear_class` (in place); returns the count."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, linear_class(child.weight, child.bias))
-            count += 1
-        else:
-            count += quantize_linears(child, linear_class)
-    return count
-
-
 def quantize_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype) -> int:
     """Apply `mode` to a loaded Llama-family model in place: every projection and the LM head
     (a tied head becomes a quantized copy of the embedding; the lookup keeps the fp32 table).
@@ -132,7 +121,7 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device, dtype: tor
             "quantization", f"quantization {mode} needs fbgemm and an AVX2 CPU; use none"
         )
     linear_class = LINEAR_CLASSES[mode]
-    count = quantize_linears(model.model, linear_class)
+    count = replace_linears(model.model, linear_class)
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = linear_class(head, None)
     return count + 1
