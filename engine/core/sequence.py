@@ -21,6 +21,7 @@ from engine.core.protocol import (
 )
 from engine.core.sampling_params import SamplingParams
 from engine.core.seeds import derive_seed
+from engine.core.spec_ngram import search_bytes
 
 # A request whose choices finished for different reasons is counted under the first of these.
 _REASON_PRIORITY = (FinishReason.ERROR, FinishReason.ABORT, FinishReason.LENGTH, FinishReason.STOP)
@@ -77,6 +78,9 @@ class Sequence:
     # before the next draft (a context that drafts badly stops paying for verification).
     num_spec_misses: int = 0
     num_spec_steps_skipped: int = 0
+    # The prompt as the n-gram search's text (spec_ngram.search_bytes), made at the first
+    # draft: the prompt never changes, so a step encodes only the outputs.
+    _prompt_search_bytes: bytes | None = field(default=None, repr=False)
 
     # -- token counts -------------------------------------------------------------------
     @property
@@ -119,6 +123,12 @@ class Sequence:
     def token_ids(self) -> list[int]:
         """A new list: prompt then outputs."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def search_bytes(self) -> bytes:
+        """spec_ngram.search_bytes(self.token_ids()), the prompt's part encoded once."""
+        if self._prompt_search_bytes is None:
+            self._prompt_search_bytes = search_bytes(self.prompt_token_ids)
+        return self._prompt_search_bytes + search_bytes(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """token_ids()[start:end] without building the whole list (decodes read one token)."""

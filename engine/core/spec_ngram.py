@@ -35,24 +35,34 @@ class NgramProposer:
     def propose(self, token_ids: list[int], max_num_tokens: int) -> list[int]:
         """Up to min(num_tokens, max_num_tokens) tokens that followed the longest suffix of
         token_ids (min_n..max_n tokens) at its latest earlier occurrence; [] if none."""
+        return self.propose_in(search_bytes(token_ids), max_num_tokens)
+
+    def propose_in(self, haystack: bytes, max_num_tokens: int) -> list[int]:
+        """propose() over the tokens already encoded by search_bytes() (a sequence keeps its
+        prompt's encoding, so a step encodes only the outputs)."""
+        num_ids = len(haystack) // _ITEM
         limit = min(self.num_tokens, max_num_tokens)
-        if limit <= 0 or len(token_ids) <= self.min_n:
+        if limit <= 0 or num_ids <= self.min_n:
             return []
-        # bytes.rfind searches in C: one copy of the ids beats a Python scan per position.
-        haystack = array("i", token_ids).tobytes()
-        for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
-            start = _latest_earlier_match(haystack, token_ids[-n:], len(token_ids) - n)
+        for n in range(min(self.max_n, num_ids - 1), self.min_n - 1, -1):
+            start = _latest_earlier_match(haystack, haystack[-n * _ITEM :], num_ids - n)
             if start is not None:
-                draft = token_ids[start + n : start + n + limit]
+                begin = (start + n) * _ITEM
+                draft = array("i", haystack[begin : begin + limit * _ITEM]).tolist()
                 if draft:
                     return draft
         return []
 
 
-def _latest_earlier_match(haystack: bytes, suffix: list[int], end: int) -> int | None:
-    """The latest token position p < end with token_ids[p : p + n] == suffix."""
-    needle = array("i", suffix).tobytes()
-    stop = (end - 1 + len(suffix)) * _ITEM  # the match must start before `end`
+def search_bytes(token_ids: list[int]) -> bytes:
+    """Token ids as the search text: bytes.rfind searches in C, which beats a Python scan per
+    position."""
+    return array("i", token_ids).tobytes()
+
+
+def _latest_earlier_match(haystack: bytes, needle: bytes, end: int) -> int | None:
+    """The latest token position p < end where the n tokens of `needle` occur."""
+    stop = end * _ITEM - _ITEM + len(needle)  # the match must start before `end`
     while stop > 0:
         found = haystack.rfind(needle, 0, stop)
         if found < 0:

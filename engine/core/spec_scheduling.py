@@ -55,7 +55,7 @@ class SpecScheduling:
             return []
         num_outputs_left = seq.sampling_params.max_tokens - seq.num_output_tokens
         room = min(num_outputs_left, self.max_model_len - seq.num_tokens) - 1
-        return self.proposer.propose(seq.token_ids(), min(room, max_num_tokens))
+        return self.proposer.propose_in(seq.search_bytes(), min(room, max_num_tokens))
 
     def fit(self, seq: Sequence, draft: list[int], budget: int) -> list[int]:
         """The draft to schedule after seq's last token within `budget` tokens: cut to fit,

@@ -67,8 +67,12 @@ class CpuCapabilities:
     def kernel_levels(self) -> tuple[str, ...]:
         """Every kernel build level whose code runs here: kernel_isa first, then each lower
         forced level (on an AVX-512 CPU: native, avx512, avx2, baseline)."""
-        lower = tuple(level for level in FORCED_LEVELS if _runs_on(level, self.isa))
+        lower = self.levels_run(FORCED_LEVELS)
         return (self.kernel_isa, *(level for level in lower if level != self.kernel_isa))
+
+    def levels_run(self, levels: tuple[str, ...]) -> tuple[str, ...]:
+        """Those of `levels` (names of x86-64 levels) whose code runs here, in their order."""
+        return tuple(level for level in levels if _runs_on(level, self.isa))
 
 
 @cache
@@ -81,8 +85,7 @@ def cpu_capabilities() -> CpuCapabilities:
 
 def levels_run_here(levels: tuple[str, ...]) -> tuple[str, ...]:
     """Those of `levels` (names of x86-64 levels) whose code this CPU executes, in their order."""
-    isa = cpu_capabilities().isa
-    return tuple(level for level in levels if _runs_on(level, isa))
+    return cpu_capabilities().levels_run(levels)
 
 
 def available_isa_levels() -> tuple[str, ...]:

@@ -36,7 +36,6 @@ from engine.core.errors import ParamError
 from engine.runtime.cpu import capabilities
 from engine.runtime.cpu.linear import replace_linears
 
-ISA_LEVELS = ("avx512", "avx2")  # the probe's levels fbgemm runs on
 _INT8_MAX = 127
 _TINY = 1e-12  # an all-zero row keeps a finite scale (its output is the bias)
 
@@ -45,7 +44,7 @@ def can_quantize() -> bool:
     """Whether fbgemm runs here: in this torch build (every x86-64 CPU wheel) and on this CPU
     by the probe (KVSHARE_CPU_ISA=baseline says no, as a CPU without AVX2 would)."""
     has_fbgemm = "fbgemm" in torch.backends.quantized.supported_engines
-    return has_fbgemm and capabilities.cpu_capabilities().isa in ISA_LEVELS
+    return has_fbgemm and bool(capabilities.levels_run_here(("avx2",)))  # fbgemm needs AVX2
 
 
 class Fp16Linear(nn.Module):
