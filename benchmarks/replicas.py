@@ -16,6 +16,17 @@ machine's load hits all of them alike. The replicas stay up across policies; eve
 target, workload) gets its own seed, so no run finds the prompts of an earlier one in the
 cache. Everything is bounded: few requests, short outputs, a time limit per run. It talks
 only to 127.0.0.1 and is never part of `make test`.
+
+Users pause before each later turn (--think-time, exponential, mean 1 s), as people do; without
+pauses a closed loop of equally long requests cycles through the conversations in a fixed
+order, and with an even number of them round-robin sends every turn of a conversation to the
+same replica by accident. The drill runs once per KV pool size in --kv-blocks-per-replica
+(fresh replicas each time): 'config' gives every replica the config's pool (1 GiB on CPU, ample
+here), so round-robin loses only the turns it sends away from the newest history; a number N
+gives each replica N blocks and the single baseline 2N (the same cores and the same KV memory
+in total), a fleet whose users' histories outgrow one replica's pool. Each run reports the
+blocks of history its multi-turn conversations leave behind (last prompt plus answer of each,
+in whole blocks) to set N against.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ WORKLOADS = ("multi-turn", "many-system-prompts")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HITS = "kvshare_prefix_cache_hits_total"
 QUERIES = "kvshare_prefix_cache_queries_total"
+EVICTIONS = "kvshare_kv_evictions_total"
 SGLANG_PROBES = ("/server_info", "/get_server_info", "/model_info", "/get_model_info")
 
 
@@ -56,18 +68,23 @@ class DrillConfig:
     num_requests: dict[str, int]  # per workload
     concurrency: int = 4
     max_tokens: int = 16
+    think_time_s: float = 0.0  # mean pause of a user before each later turn (serving.py)
     rounds: int = 2
     timeout_s: float = 150.0  # per (round, target, workload) run
     startup_timeout_s: float = 300.0
     seed: int = 0
     config_path: str = "config/cpu.yaml"
+    # KV pool of each replica in blocks, one drill per entry (None: the config's pool); the
+    # single baseline gets twice a set pool.
+    pools: list[int | None] = field(default_factory=lambda: [None, 150, 100, 75])
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvshare-drill-")))
 
 
 @dataclass
 class Run:
-    """One workload through one target in one round."""
+    """One workload through one target in one round, with one KV pool size per replica."""
 
+    pool: int | None
     round: int
     target: str
     workload: str
@@ -75,6 +92,8 @@ class Run:
     hits: float
     queries: float
     per_replica_queries: list[float]
+    evicted_blocks: int  # blocks the replicas' prefix caches evicted during the run
+    history_blocks: int  # blocks of every conversation's full history at the end of the run
     summary: dict
     ttft_s: list[float] = field(default_factory=list)
 
@@ -116,8 +135,11 @@ def process(argv: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
                 child.wait()
 
 
-def replica_argv(port: int, num_threads: int, config_path: str) -> list[str]:
+def replica_argv(
+    port: int, num_threads: int, config_path: str, num_kv_blocks: int | None = None
+) -> list[str]:
     kvshare = Path(sys.executable).parent / "kvshare"
+    pool = [] if num_kv_blocks is None else ["--num-kv-blocks", str(num_kv_blocks)]
     return [
         str(kvshare),
         "serve",
@@ -129,6 +151,7 @@ def replica_argv(port: int, num_threads: int, config_path: str) -> list[str]:
         str(port),
         "--num-threads",
         str(num_threads),
+        *pool,
     ]
 
 
@@ -180,16 +203,37 @@ def gateway_serves(url: str, model: str) -> bool:
 # ---------------------------------------------------------------- measuring
 
 
-def prefix_counters(url: str) -> tuple[float, float]:
-    """(hits, queries): the replica's prefix-cache counters, summed over label sets."""
-    text = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
-    totals = {HITS: 0.0, QUERIES: 0.0}
+def scrape(url: str) -> str:
+    return httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+
+
+def counters(text: str) -> tuple[float, float, float]:
+    """(hits, queries, evicted blocks): a /metrics text's prefix-cache and eviction counters,
+    each summed over its label sets."""
+    totals = {HITS: 0.0, QUERIES: 0.0, EVICTIONS: 0.0}
     for line in text.splitlines():
         name, _, rest = line.partition(" ")
         name = name.split("{", 1)[0]
         if name in totals:
             totals[name] += float(rest.split()[-1] if "}" in line else rest)
-    return totals[HITS], totals[QUERIES]
+    return totals[HITS], totals[QUERIES], totals[EVICTIONS]
+
+
+def block_size_in(text: str) -> int:
+    """Tokens per KV block, from the kvshare_cache_config_info gauge of a /metrics text."""
+    found = re.search(r'^kvshare_cache_config_info\{[^}]*block_size="(\d+)"', text, re.MULTILINE)
+    if found is None:
+        raise RuntimeError("/metrics has no kvshare_cache_config_info sample")
+    return int(found.group(1))
+
+
+def history_blocks(results: list[serving.RequestResult], block_size: int) -> int:
+    """Whole blocks of each conversation's history after its last turn (prompt plus answer)."""
+    last: dict[int, serving.RequestResult] = {}
+    for r in results:
+        if r.ok and (r.conversation_id not in last or r.turn > last[r.conversation_id].turn):
+            last[r.conversation_id] = r
+    return sum(-(-(r.prompt_tokens + r.output_tokens) // block_size) for r in last.values())
 
 
 def run_workload(
@@ -202,6 +246,7 @@ def run_workload(
         num_requests=drill.num_requests[workload],
         concurrency=drill.concurrency,
         max_tokens=drill.max_tokens,
+        think_time_s=drill.think_time_s,
         seed=seed,
         timeout_s=drill.timeout_s,
     )
@@ -215,18 +260,23 @@ def measure(
     model: str,
     workload: str,
     round_index: int,
+    pool: int | None,
 ) -> Run:
     """Runs one workload through target (name, base URL, replica URLs) and reads the deltas."""
     name, base_url, replica_urls = target
     seed = (
         drill.seed + 1000 * (round_index + 1) + 10 * TARGETS.index(name) + WORKLOADS.index(workload)
     )
-    before = [prefix_counters(url) for url in replica_urls]
+    before = [counters(scrape(url)) for url in replica_urls]
     summary, results = run_workload(drill, base_url, model, workload, seed)
-    after = [prefix_counters(url) for url in replica_urls]
-    deltas = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)]
+    after = [counters(scrape(url)) for url in replica_urls]
+    deltas = [
+        tuple(x - y for x, y in zip(a, b, strict=True)) for a, b in zip(after, before, strict=True)
+    ]
     ttft = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
+    block_size = block_size_in(scrape(replica_urls[0]))
     return Run(
+        pool=pool,
         round=round_index,
         target=name,
         workload=workload,
@@ -234,6 +284,8 @@ def measure(
         hits=sum(d[0] for d in deltas),
         queries=sum(d[1] for d in deltas),
         per_replica_queries=[d[1] for d in deltas],
+        evicted_blocks=int(sum(d[2] for d in deltas)),
+        history_blocks=history_blocks(results, block_size),
         summary=asdict(summary),
         ttft_s=ttft,
     )
@@ -262,6 +314,8 @@ def aggregate(runs: list[Run]) -> list[dict]:
                     "ttft_p50_s": serving.percentile(ttft, 50) if ttft else None,
                     "ttft_p99_s": serving.percentile(ttft, 99) if ttft else None,
                     "output_tok_s": output_tokens / duration_s if duration_s else 0.0,
+                    "history_blocks": max(r.history_blocks for r in mine),
+                    "evicted_blocks": sum(r.evicted_blocks for r in mine),
                     "replica_query_split": [
                         sum(r.per_replica_queries[i] for r in mine)
                         for i in range(len(mine[0].per_replica_queries))
@@ -283,18 +337,28 @@ def goal(rows: list[dict]) -> dict:
     }
 
 
-def format_table(rows: list[dict], check: dict) -> str:
+def pool_label(pool: int | None) -> str:
+    return "the config's KV pool" if pool is None else f"{pool} KV blocks per replica"
+
+
+def format_table(rows: list[dict], check: dict, pool: int | None) -> str:
+    single_pool = "the same" if pool is None else f"{2 * pool} blocks"
+    history = max((r["history_blocks"] for r in rows if r["workload"] == "multi-turn"), default=0)
     lines = [
-        "| workload | target | done | prefix hit rate | TTFT p50 (ms) | TTFT p99 (ms) "
-        "| output tok/s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        f"{pool_label(pool)} (single: {single_pool}); the multi-turn conversations' "
+        f"histories add up to {history} blocks",
+        "",
+        "| workload | target | done | prefix hit rate | evicted blocks | TTFT p50 (ms) "
+        "| TTFT p99 (ms) | output tok/s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         p50 = f"{1000 * r['ttft_p50_s']:.0f}" if r["ttft_p50_s"] is not None else "-"
         p99 = f"{1000 * r['ttft_p99_s']:.0f}" if r["ttft_p99_s"] is not None else "-"
         lines.append(
             f"| {r['workload']} | {r['target']} | {r['completed']}/{r['planned']} | "
-            f"{r['hit_rate']:.3f} | {p50} | {p99} | {r['output_tok_s']:.1f} |"
+            f"{r['hit_rate']:.3f} | {r['evicted_blocks']} | {p50} | {p99} | "
+            f"{r['output_tok_s']:.1f} |"
         )
 
     def ratio(value: float | None) -> str:
@@ -318,16 +382,20 @@ def probes_seen(log_path: Path) -> dict[str, int]:
     return {path: len(re.findall(re.escape(path) + r"(?!\w)", text)) for path in SGLANG_PROBES}
 
 
-def start_replicas(drill: DrillConfig, stack: contextlib.ExitStack) -> list[str]:
-    """Replicas a and b (1 thread each) and the single baseline (2 threads); their URLs.
+def start_replicas(
+    drill: DrillConfig, pool: int | None, log_dir: Path, stack: contextlib.ExitStack
+) -> list[str]:
+    """Replicas a and b (1 thread each) and the single baseline (2 threads, twice the KV pool
+    when the pool is set); their URLs.
 
     All three start at once (they load the model in parallel), then each is waited for.
     """
     started = []
     for name, num_threads in (("replica-a", 1), ("replica-b", 1), ("single", 2)):
         port = free_port()
-        argv = replica_argv(port, num_threads, drill.config_path)
-        child = stack.enter_context(process(argv, drill.log_dir / f"{name}.log"))
+        num_kv_blocks = None if pool is None else pool * num_threads
+        argv = replica_argv(port, num_threads, drill.config_path, num_kv_blocks)
+        child = stack.enter_context(process(argv, log_dir / f"{name}.log"))
         started.append((name, f"http://127.0.0.1:{port}", child))
     for name, url, child in started:
         wait_until(lambda u=url: replica_is_ready(u), drill.startup_timeout_s, name, child)
@@ -335,66 +403,114 @@ def start_replicas(drill: DrillConfig, stack: contextlib.ExitStack) -> list[str]
 
 
 def through_gateway(
-    drill: DrillConfig, policy: str, replica_urls: list[str], model: str, round_index: int
+    drill: DrillConfig,
+    policy: str,
+    replica_urls: list[str],
+    model: str,
+    round_index: int,
+    pool: int | None,
+    log_dir: Path,
 ) -> tuple[list[Run], dict]:
     """Starts the gateway with `policy` in front of the replicas, runs every workload, stops it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = drill.log_dir / f"gateway-{policy}-{round_index}.log"
+    log = log_dir / f"gateway-{policy}-{round_index}.log"
     with process(gateway_argv(port, replica_urls, policy), log) as gateway:
         wait_until(lambda: gateway_serves(url, model), drill.startup_timeout_s, policy, gateway)
         listing = httpx.get(f"{url}/v1/models", timeout=10, trust_env=False).json()
         target = (policy, url, replica_urls)
-        runs = [measure(drill, target, model, w, round_index) for w in WORKLOADS]
+        runs = [measure(drill, target, model, w, round_index, pool) for w in WORKLOADS]
     return runs, {"v1_models": listing}
 
 
-def run_drill(drill: DrillConfig) -> dict:
-    ensure_router()
+def drill_one_pool(drill: DrillConfig, pool: int | None) -> tuple[list[Run], dict, str]:
+    """Fresh replicas with this pool; the rounds interleave cache_aware, round_robin, single."""
+    log_dir = drill.log_dir / ("config-pool" if pool is None else f"pool-{pool}")
     runs: list[Run] = []
     gateway_info: dict = {}
     with contextlib.ExitStack() as stack:
-        *replica_urls, single_url = start_replicas(drill, stack)
+        *replica_urls, single_url = start_replicas(drill, pool, log_dir, stack)
         models = httpx.get(f"{single_url}/v1/models", timeout=10, trust_env=False).json()
         model = models["data"][0]["id"]
         for round_index in range(drill.rounds):
             for policy in POLICIES:
                 policy_runs, gateway_info[policy] = through_gateway(
-                    drill, policy, replica_urls, model, round_index
+                    drill, policy, replica_urls, model, round_index, pool, log_dir
                 )
                 runs.extend(policy_runs)
             single = ("single", single_url, [single_url])
-            runs.extend(measure(drill, single, model, w, round_index) for w in WORKLOADS)
-            print(f"round {round_index + 1}/{drill.rounds} done", file=sys.stderr)
-    rows = aggregate(runs)
-    gateway_info["sglang_probes_seen_by_replica_a"] = probes_seen(drill.log_dir / "replica-a.log")
+            runs.extend(measure(drill, single, model, w, round_index, pool) for w in WORKLOADS)
+            print(
+                f"{pool_label(pool)}: round {round_index + 1}/{drill.rounds} done", file=sys.stderr
+            )
+    gateway_info["sglang_probes_seen_by_replica_a"] = probes_seen(log_dir / "replica-a.log")
+    return runs, gateway_info, model
+
+
+def run_drill(drill: DrillConfig) -> dict:
+    ensure_router()
+    runs: list[Run] = []
+    pools: list[dict] = []
+    gateway_info: dict = {}
+    model = ""
+    for pool in drill.pools:
+        pool_runs, gateway_info, model = drill_one_pool(drill, pool)
+        runs.extend(pool_runs)
+        rows = aggregate(pool_runs)
+        pools.append({"kv_blocks_per_replica": pool, "rows": rows, "goal": goal(rows)})
     return {
         "config": {**asdict(drill), "log_dir": str(drill.log_dir)},
         "model": model,
         "router": f"{ROUTER_PACKAGE}=={ROUTER_VERSION}",
-        "rows": rows,
-        "goal": goal(rows),
-        "gateway": gateway_info,
+        "pools": pools,
+        "gateway": gateway_info,  # of the last pool's replicas
         "runs": [asdict(r) for r in runs],
     }
 
 
+def parse_pool(text: str) -> int | None:
+    """'config' (the config's pool) or a positive number of blocks."""
+    if text == "config":
+        return None
+    try:
+        blocks = int(text)
+    except ValueError:
+        blocks = 0
+    if blocks < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'config' nor a positive integer")
+    return blocks
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[DrillConfig, Path | None]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--multi-turn-requests", type=int, default=16, help="4 turns each")
+    parser.add_argument("--multi-turn-requests", type=int, default=48, help="4 turns each")
     parser.add_argument("--system-prompt-requests", type=int, default=24, help="8 prompts")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--think-time", type=float, default=1.0, help="mean seconds before a later turn"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     parser.add_argument("--timeout", type=float, default=150.0, help="limit per run (s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--config", default="config/cpu.yaml", help="replica config")
+    parser.add_argument(
+        "--kv-blocks-per-replica",
+        type=parse_pool,
+        nargs="+",
+        default=[None, 150, 100, 75],
+        metavar="BLOCKS",
+        help="KV pool of each replica, one drill per value: 'config' or blocks (the single gets "
+        "twice); default: config 150 100 75",
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="default: a new temp dir")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     counts = (args.multi_turn_requests, args.system_prompt_requests, args.concurrency)
     if min(*counts, args.max_tokens, args.rounds) < 1 or args.timeout <= 0:
         parser.error("counts, --max-tokens, --rounds and --timeout must be positive")
+    if args.think_time < 0:
+        parser.error("--think-time must not be negative")
     drill = DrillConfig(
         num_requests={
             "multi-turn": args.multi_turn_requests,
@@ -402,10 +518,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[DrillConfig, Path | None]
         },
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
+        think_time_s=args.think_time,
         rounds=args.rounds,
         timeout_s=args.timeout,
         seed=args.seed,
         config_path=args.config,
+        pools=args.kv_blocks_per_replica,
     )
     if args.log_dir is not None:
         drill.log_dir = args.log_dir
@@ -418,12 +536,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     report = run_drill(drill)
     report["wall_s"] = time.monotonic() - started
-    print(format_table(report["rows"], report["goal"]))
-    print(f"\n{drill.rounds} round(s), {report['wall_s']:.0f}s wall", file=sys.stderr)
+    for pool in report["pools"]:
+        print(format_table(pool["rows"], pool["goal"], pool["kv_blocks_per_replica"]) + "\n")
+    print(f"{drill.rounds} round(s) per pool, {report['wall_s']:.0f}s wall", file=sys.stderr)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")
-    complete = all(r["completed"] == r["planned"] for r in report["rows"])
+    complete = all(r["completed"] == r["planned"] for p in report["pools"] for r in p["rows"])
     return 0 if complete else 1
 
 

@@ -121,6 +121,7 @@ class BenchmarkConfig:
     num_requests: int = 64
     concurrency: int | None = None  # max requests in flight; None: unbounded
     request_rate: float = math.inf  # Poisson arrivals of conversations per second
+    think_time_s: float = 0.0  # mean pause (exponential) before each later turn; 0: none
     max_tokens: int = 128
     temperature: float = 0.0
     seed: int = 0
@@ -212,6 +213,17 @@ def _mixed_length(rng: random.Random, index: int, max_tokens: int) -> Conversati
     num_words = round(math.exp(rng.uniform(log_low, log_high)))
     num_tokens = rng.randint(max(1, max_tokens // 8), max_tokens)
     return Conversation(index, [f"{_nonce(rng)} {_words(rng, num_words)}?"], [num_tokens])
+
+
+def think_times(num_pauses: int, mean_s: float, seed: int, conversation_id: int) -> list[float]:
+    """A user's pauses in seconds between reading an answer and sending the next turn:
+    exponential with mean mean_s (all 0 at mean 0), drawn per conversation and seed."""
+    if mean_s < 0:
+        raise ValueError("mean_s must not be negative")
+    if mean_s == 0:
+        return [0.0] * num_pauses
+    rng = random.Random(f"think-{seed}-{conversation_id}")
+    return [rng.expovariate(1.0 / mean_s) for _ in range(num_pauses)]
 
 
 def arrival_delays(num_arrivals: int, request_rate: float, seed: int) -> list[float]:
@@ -410,9 +422,14 @@ async def _run_conversation(
     messages: list[dict] = []
     if conversation.system_prompt is not None:
         messages.append({"role": "system", "content": conversation.system_prompt})
+    pauses = think_times(
+        len(conversation.user_turns), config.think_time_s, config.seed, conversation.conversation_id
+    )
     for turn, (user, max_tokens) in enumerate(
         zip(conversation.user_turns, conversation.max_tokens, strict=True)
     ):
+        if turn > 0 and pauses[turn] > 0:
+            await asyncio.sleep(pauses[turn])  # outside the limiter: a reading user holds no slot
         messages.append({"role": "user", "content": user})
         body = _request_body(config, model, list(messages), max_tokens)
         result = RequestResult(conversation.conversation_id, turn)
@@ -547,6 +564,12 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--request-rate", type=float, default=None, help="Poisson arrivals per second"
     )
+    parser.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="mean seconds (exponential) a user waits before each later turn; 0: none",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -569,6 +592,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, Path | N
         parser.error("--concurrency must be at least 1")
     if args.request_rate is not None and args.request_rate <= 0:
         parser.error("--request-rate must be positive")
+    if args.think_time < 0:
+        parser.error("--think-time must not be negative")
     # Neither given: one request at a time. A rate alone leaves concurrency unbounded.
     concurrency = args.concurrency or (None if args.request_rate else 1)
     config = BenchmarkConfig(
@@ -578,6 +603,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkConfig, Path | N
         num_requests=args.num_requests,
         concurrency=concurrency,
         request_rate=args.request_rate or math.inf,
+        think_time_s=args.think_time,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,

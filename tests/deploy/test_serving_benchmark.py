@@ -7,6 +7,7 @@ import json
 import math
 import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -29,6 +30,7 @@ from benchmarks.serving import (
     percentile,
     run_benchmark,
     summarize,
+    think_times,
 )
 
 BASE_URL = "http://fake/v1"
@@ -37,10 +39,12 @@ EOS_AFTER = 3  # the fake model "emits EOS" after this many tokens unless ignore
 
 class FakeOpenAI:
     """A tiny OpenAI-compatible streaming server. Prompt tokens are words; a system prompt seen
-    before counts as cached. Records every request body and the peak number in flight."""
+    before counts as cached. Records every request body, when each arrived, and the peak number
+    in flight."""
 
     def __init__(self, fail_status: int | None = None, hang: bool = False) -> None:
         self.bodies: list[dict] = []
+        self.arrived_s: list[float] = []  # time.perf_counter() at each request
         self.num_in_flight = 0
         self.max_in_flight = 0
         self.fail_status = fail_status
@@ -59,6 +63,7 @@ class FakeOpenAI:
     async def chat(self, request: Request) -> JSONResponse | StreamingResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.arrived_s.append(time.perf_counter())
         if self.fail_status is not None:
             error = {"message": "boom", "type": "server_error", "param": None, "code": None}
             return JSONResponse({"error": error}, status_code=self.fail_status)
@@ -279,6 +284,42 @@ def test_multi_turn_resends_history_with_answers():
     assert last[:5] == fake.bodies[2]["messages"]
 
 
+def test_think_times_are_exponential_per_conversation_and_seed():
+    assert think_times(3, 0.0, seed=0, conversation_id=0) == [0.0, 0.0, 0.0]
+    pauses = think_times(400, 2.0, seed=0, conversation_id=0)
+    assert pauses == think_times(400, 2.0, seed=0, conversation_id=0)
+    assert pauses != think_times(400, 2.0, seed=0, conversation_id=1)  # users differ
+    assert pauses != think_times(400, 2.0, seed=1, conversation_id=0)
+    assert all(p > 0 for p in pauses)
+    assert 1.6 < sum(pauses) / len(pauses) < 2.4  # mean 2.0
+    with pytest.raises(ValueError):
+        think_times(1, -1.0, seed=0, conversation_id=0)
+
+
+def test_think_time_pauses_between_turns_without_holding_a_slot():
+    fake = FakeOpenAI()
+    mean_s = 0.3  # the two users' pauses add up to 0.32 s and 0.40 s (seed 0)
+    config = {"workload": "multi-turn", "num_requests": 8, "max_tokens": 2, "concurrency": 1}
+    results, duration_s = _run(fake, think_time_s=mean_s, **config)
+    assert len(results) == 8 and all(r.ok for r in results)
+    # Each conversation's later turn arrives no sooner than its pause after the turn before.
+    for conversation_id in (0, 1):
+        pauses = think_times(4, mean_s, seed=0, conversation_id=conversation_id)
+        mine = [
+            t
+            for t, body in zip(fake.arrived_s, fake.bodies, strict=True)
+            if body["messages"][0]["content"]
+            == fake.bodies[conversation_id]["messages"][0]["content"]
+        ]
+        assert len(mine) == 4
+        for turn in (1, 2, 3):
+            assert mine[turn] - mine[turn - 1] >= pauses[turn]
+    total = [sum(think_times(4, mean_s, seed=0, conversation_id=c)[1:]) for c in (0, 1)]
+    assert duration_s >= max(total)
+    # One slot, yet the two users' pauses overlap: a reading user does not hold the slot.
+    assert duration_s < sum(total)
+
+
 def test_concurrency_bounds_requests_in_flight():
     fake = FakeOpenAI()
     results, _ = _run(fake, workload="unique", num_requests=8, max_tokens=4, concurrency=2)
@@ -323,7 +364,13 @@ def test_parse_args_concurrency_and_rate(argv, concurrency, rate):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--concurrency", "0"], ["--request-rate", "0"], ["--num-requests", "0"], ["--workload", "x"]],
+    [
+        ["--concurrency", "0"],
+        ["--request-rate", "0"],
+        ["--num-requests", "0"],
+        ["--workload", "x"],
+        ["--think-time", "-1"],
+    ],
 )
 def test_parse_args_rejects_bad_values(argv, capsys):
     with pytest.raises(SystemExit):
