@@ -1,5 +1,5 @@
 """Formatting for the OpenAI endpoints: ChoiceDeltas (from app/serving.py) -> the response
-models and stream chunks of app/protocol.py, one Formatter per endpoint."""
+models and stream chunks of app/response_models.py, one Formatter per endpoint."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from app.protocol import (
+from app.response_models import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,

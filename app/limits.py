@@ -2,7 +2,7 @@
 
 Each cap is a `server:` settings key (config/default.yaml); a request over one is refused with
 a ParamError (a 400) naming the field, before anything is tokenized or queued. The ranges that
-never change (temperature 0..2, ...) are declared on the fields in app/protocol.py instead.
+never change (temperature 0..2, ...) are declared on the fields in app/request_models.py instead.
 The schema size cap is the engine's own key, max_schema_bytes, checked here too so that the
 400 comes before any schema work and names the field the schema came in.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from app.json_schema import canonical_json
-from app.protocol import ChatCompletionRequest, CompletionRequest
+from app.request_models import ChatCompletionRequest, CompletionRequest
 from app.settings import ServerSettings
 from engine.core.config import EngineConfig
 from engine.core.errors import ParamError
@@ -138,7 +138,7 @@ def _at_most(items: Sized, limit: int, param: str, what: str) -> None:
 
 def _response_format_schema(response_format: Any) -> Any:
     """The json_schema.schema inside a raw response_format, if there is one (the format
-    itself is checked later, by app/protocol.py)."""
+    itself is checked later, by app/structured_output.py)."""
     if not isinstance(response_format, dict):
         return None
     spec = response_format.get("json_schema")

@@ -5,7 +5,7 @@ errors are 400s, app/errors.py). Here every status a route can return is declare
 OpenAI error envelope as its schema, the request caps the server enforces (app/limits.py,
 from this app's settings) are written onto the request schemas, and the bearer scheme is
 declared when API keys are configured. The ranges that never change (temperature 0..2, ...)
-come from the pydantic fields themselves (app/protocol.py).
+come from the pydantic fields themselves (app/request_models.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One logic serves streaming and non-streaming: run() turns engine outputs into ChoiceDeltas
 (incremental detokenization, stop strings, per-choice aborts) and the formatters in
-app/protocol.py make chunks of each delta, or fold all of them into one response. So the
+app/formatting.py make chunks of each delta, or fold all of them into one response. So the
 streamed and the non-streamed text always agree.
 """
 
@@ -31,13 +31,8 @@ from app.formatting import (
 )
 from app.limits import RequestLimits
 from app.metrics import ServerMetrics
-from app.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    Usage,
-)
+from app.request_models import ChatCompletionRequest, CompletionRequest
+from app.response_models import ChatCompletionResponse, CompletionResponse, Usage
 from app.settings import ServerSettings
 from app.streaming import merge
 from engine.core.errors import KVShareError

@@ -3,7 +3,8 @@
 from fastapi import APIRouter, Request, Response
 
 from app.openapi import stream_responses
-from app.protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
+from app.request_models import ChatCompletionRequest
+from app.response_models import ChatCompletionChunk, ChatCompletionResponse
 from app.routes.deps import AdmittedServing, Record, respond_to
 
 router = APIRouter()

@@ -3,7 +3,8 @@
 from fastapi import APIRouter, Request, Response
 
 from app.openapi import stream_responses
-from app.protocol import CompletionRequest, CompletionResponse
+from app.request_models import CompletionRequest
+from app.response_models import CompletionResponse
 from app.routes.deps import AdmittedServing, Record, respond_to
 
 router = APIRouter()

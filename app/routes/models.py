@@ -2,7 +2,7 @@
 
 from fastapi import APIRouter
 
-from app.protocol import ModelCard, ModelList
+from app.response_models import ModelCard, ModelList
 from app.routes.deps import ReadyServing
 from app.serving import OpenAIServing
 

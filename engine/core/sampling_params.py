@@ -23,7 +23,7 @@ class StructuredOutput:
 
     kind "json_object": any JSON object; "json_schema": JSON that conforms to `schema`, the
     schema as canonical JSON text (sorted keys, no spaces: equal schemas are equal strings, so
-    compiled grammars are cached by it). The edge (app/protocol.py) has already checked the
+    compiled grammars are cached by it). The edge (app/structured_output.py) has already checked the
     schema and refused keywords the grammar engine would ignore.
 
     kind "tool_calls" (tool_choice "auto"): free text in which every `<tool_call>` starts a

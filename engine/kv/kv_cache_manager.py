@@ -28,7 +28,8 @@ from engine.core.intmath import cdiv
 from engine.core.sequence import Sequence
 from engine.kv.block_pool import BlockPool, BlockUsage
 from engine.kv.kv_events import KVEventSink
-from engine.kv.radix_cache import MatchResult, Namespace, RadixCache, RadixNode
+from engine.kv.radix_cache import RadixCache
+from engine.kv.radix_node import MatchResult, Namespace, RadixNode
 
 
 class WriteViolation(RuntimeError):

@@ -18,13 +18,10 @@ KV. With max_cached_blocks_per_namespace, a namespace holding more tree blocks t
 over its cap and evict() takes its least recently used blocks before anyone else's
 (engine/kv/namespace_quota.py keeps the per-namespace counts and heaps).
 
-Running figures. The evictable count and the LRU heap of eviction candidates are kept up to
-date as blocks change state, so neither allocation nor a stats read walks the tree. A tree
-block is pinned while someone besides the tree holds it (the pool reports each change); a
-node is blocked while it has a pinned block, an own lock or a blocked child. evict() frees
-the blocks after the last pinned one of every node without a lock and without a blocked
-child, so that is the evictable count; a change walks up only while a node's blocked state
-flips. check_integrity() recounts both from scratch.
+Running figures (engine/kv/eviction_queue.py): the evictable count and the LRU heap of
+eviction candidates are kept up to date as blocks change state, so neither allocation nor a
+stats read walks the tree. check_integrity() (engine/kv/radix_integrity.py) recounts them,
+and everything else the tree and the pool must agree on, from scratch.
 
 KV events (engine/kv/kv_events.py): built with an event_sink, the cache hashes every block it
 takes and reports BlockStored on insert, BlockRemoved on evict / invalidate / drop_namespace
@@ -34,66 +31,14 @@ nothing and reports nothing.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
-from itertools import count
+from collections.abc import Sequence
 
+from engine.kv import radix_integrity
 from engine.kv.block_pool import BlockPool
+from engine.kv.eviction_queue import EvictionQueue
 from engine.kv.kv_events import KVEventRecorder, KVEventSink, chain_block_hashes, namespace_seed
-from engine.kv.namespace_quota import CandidateHeap, NamespaceQuota
-
-Namespace = Hashable
-
-_node_ids = count()
-
-
-@dataclass(eq=False)
-class RadixNode:
-    """One edge of the tree. Callers treat it as an opaque handle for lock()/unlock().
-
-    lock_count counts the locks taken on this node and on every node below it:
-    lock_count == num_own_locks + sum(child.lock_count for child in children).
-    """
-
-    token_ids: tuple[int, ...]
-    block_ids: list[int]
-    parent: RadixNode | None
-    is_root: bool = False
-    children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
-    lock_count: int = 0
-    num_own_locks: int = 0
-    last_access: int = 0
-    # Running figures (see the module docstring): the index of this edge's last pinned
-    # block (-1: none), children that are blocked, whether this node is blocked, and how many
-    # of its blocks evict() can free (those after the last pinned one).
-    last_pinned_index: int = -1
-    num_blocked_children: int = 0
-    is_blocked: bool = False
-    num_evictable_blocks: int = 0
-    namespace: Namespace = None  # the namespace of the tree the node belongs to
-    node_id: int = field(default_factory=lambda: next(_node_ids))
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    """The cached prefix of a token sequence.
-
-    full_block_ids: blocks whose block_size tokens all match, in order from position 0.
-        The caller shares them: pool.incref() each one and list it in the block table.
-    partial_block_id / num_partial_tokens: when the match ends inside a block, that block
-        and how many of its leading tokens match (1..block_size-1); None / 0 otherwise.
-        The caller must never write it nor list it in a block table: it copies those tokens'
-        KV into a fresh private block (copy-on-write) and continues the sequence there.
-    last_node: the deepest node the match touched (it holds the partial block when there
-        is one), or None when nothing matched. lock(last_node) protects every matched block,
-        the partial one included, from evict() until the matching unlock(last_node).
-    """
-
-    full_block_ids: tuple[int, ...]
-    partial_block_id: int | None
-    num_partial_tokens: int
-    num_matched_tokens: int
-    last_node: RadixNode | None
+from engine.kv.namespace_quota import NamespaceQuota
+from engine.kv.radix_node import MatchResult, Namespace, RadixNode, preorder
 
 
 def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -132,11 +77,8 @@ class RadixCache:
         self._clock = 0  # monotonic access counter: LRU order is deterministic
         self.num_evictions = 0  # blocks freed by evict()
         self.num_invalidated_blocks = 0  # blocks dropped by invalidate()
-        self._num_evictable = 0  # the sum of every node's num_evictable_blocks
-        # Eviction candidates by (last_access, node_id); entries go stale when the node
-        # changes and are skipped when popped (a lazy heap: no walk to rebuild it).
-        self._heap = CandidateHeap()
         self._quota = NamespaceQuota(max_cached_blocks_per_namespace)
+        self._eviction = EvictionQueue(pool, self._quota)
         pool.set_cached_listener(self._on_cached_change)
 
     # -- lookup -------------------------------------------------------------------------
@@ -203,7 +145,7 @@ class RadixCache:
         while node is not None and not node.is_root:
             node.last_access = self._clock
             node = node.parent
-        self._offer(deepest)
+        self._eviction.offer(deepest)
 
     # -- insertion ----------------------------------------------------------------------
     def insert(
@@ -243,7 +185,7 @@ class RadixCache:
             if num_blocks < len(child.block_ids) and index < len(block_ids):
                 child = self._split(child, num_blocks)
             child.last_access = self._clock
-            self._offer(child)
+            self._eviction.offer(child)
             node = child
         return 0
 
@@ -271,7 +213,7 @@ class RadixCache:
             self.pool.set_tree_owned(block_id, True)
             self._node_of_block[block_id] = leaf
             self._index_of_block[block_id] = index
-        self._recount(leaf)
+        self._eviction.recount(leaf)
 
     def _split(self, node: RadixNode, num_blocks: int) -> RadixNode:
         """Cut node's edge after num_blocks blocks; returns the new upper node.
@@ -299,11 +241,7 @@ class RadixCache:
             self._node_of_block[block_id] = upper
         for index, block_id in enumerate(node.block_ids):
             self._index_of_block[block_id] = index
-        # upper takes node's place in parent's blocked-children count, then both recount.
-        upper.is_blocked = node.is_blocked
-        upper.num_blocked_children = int(node.is_blocked)
-        self._recount(node)
-        self._recount(upper)
+        self._eviction.on_split(upper, node)
         return upper
 
     # -- locking ------------------------------------------------------------------------
@@ -311,13 +249,13 @@ class RadixCache:
         """Protect node and all its ancestors from evict(); one unlock(node) undoes it."""
         node.num_own_locks += 1
         self._add_lock_count(node, 1)
-        self._refresh(node)
+        self._eviction.refresh(node)
 
     def unlock(self, node: RadixNode) -> None:
         assert node.num_own_locks > 0, "unlock without a matching lock"
         node.num_own_locks -= 1
         self._add_lock_count(node, -1)
-        self._refresh(node)
+        self._eviction.refresh(node)
 
     def _add_lock_count(self, node: RadixNode | None, delta: int) -> None:
         # Stops at a root, or at the top of a detached subtree (parent None).
@@ -325,7 +263,7 @@ class RadixCache:
             node.lock_count += delta
             assert node.lock_count >= 0
             if node.lock_count == 0:
-                self._offer(node)  # unlocked: it may be an eviction candidate again
+                self._eviction.offer(node)  # unlocked: it may be an eviction candidate again
             node = node.parent
 
     # -- running figures ----------------------------------------------------------------
@@ -333,56 +271,8 @@ class RadixCache:
         """The pool's report: a tree block became (or stopped being) held by the tree alone.
         Blocks entering or leaving the tree are not indexed then: their node recounts."""
         node = self._node_of_block.get(block_id)
-        if node is None:
-            return
-        index = self._index_of_block[block_id]
-        if not is_cached:
-            node.last_pinned_index = max(node.last_pinned_index, index)
-        elif index == node.last_pinned_index:
-            # Holders hold paths from position 0, so the block before is pinned too when any
-            # is: this scan stops at once but in transient states (never a walk of the tree).
-            node.last_pinned_index = self._last_pinned_index(node, index - 1)
-        self._refresh(node)
-        if is_cached:
-            self._offer(node)
-
-    def _last_pinned_index(self, node: RadixNode, start: int) -> int:
-        """The index of the last pinned block of node at or before `start` (-1: none)."""
-        index = start
-        while index >= 0 and self._is_held_by_tree_only(node.block_ids[index]):
-            index -= 1
-        return index
-
-    def _recount(self, node: RadixNode) -> None:
-        """After node's block list changed: find its last pinned block again, then refresh."""
-        node.last_pinned_index = self._last_pinned_index(node, len(node.block_ids) - 1)
-        self._refresh(node)
-
-    def _refresh(self, node: RadixNode | None) -> None:
-        """Update node's evictable blocks and blocked state; go up while the state flips."""
-        while node is not None and not node.is_root:
-            is_covered = node.num_own_locks > 0 or node.num_blocked_children > 0
-            num_unpinned = len(node.block_ids) - 1 - node.last_pinned_index
-            num_evictable = 0 if is_covered else num_unpinned
-            self._num_evictable += num_evictable - node.num_evictable_blocks
-            node.num_evictable_blocks = num_evictable
-            is_blocked = is_covered or node.last_pinned_index >= 0
-            if is_blocked == node.is_blocked:
-                return
-            node.is_blocked = is_blocked
-            if node.parent is not None:
-                node.parent.num_blocked_children += 1 if is_blocked else -1
-            node = node.parent
-
-    def _offer(self, node: RadixNode | None) -> None:
-        """Queue node for evict() if it is an eviction candidate now (duplicates are fine)."""
-        if node is None or not self._is_candidate(node):
-            return
-        self._heap.push(node, len(self._node_of_block), self._is_current)
-        self._quota.offer(node.namespace, node, self._is_current)
-
-    def _is_current(self, last_access: int, node: RadixNode) -> bool:
-        return last_access == node.last_access and self._is_candidate(node)
+        if node is not None:
+            self._eviction.on_cached_change(node, self._index_of_block[block_id], is_cached)
 
     # -- eviction and removal -----------------------------------------------------------
     def evict(self, num_blocks: int) -> list[int]:
@@ -394,7 +284,7 @@ class RadixCache:
         """
         freed: list[int] = []
         while len(freed) < num_blocks:
-            node = self._next_victim()
+            node = self._eviction.pop_victim()
             if node is None:
                 break
             block_id = node.block_ids[-1]
@@ -402,64 +292,17 @@ class RadixCache:
             self._release_block(block_id)
             node.block_ids.pop()
             node.token_ids = node.token_ids[: len(node.block_ids) * self.block_size]
-            self._refresh(node)  # an unpinned tail block left: one evictable block fewer
+            self._eviction.refresh(node)  # an unpinned tail block left: one evictable block fewer
             freed.append(block_id)
-            self._offer(next_candidate)  # the same leaf, or a parent now a leaf
+            self._eviction.offer(next_candidate)  # the same leaf, or a parent now a leaf
         self.num_evictions += len(freed)
         self._flush_removed()
         return freed
 
-    def _next_victim(self) -> RadixNode | None:
-        """The leaf to trim next: the LRU one of the namespaces over their cap, if any of
-        them has one, else the LRU one of all (stale heap entries are skipped)."""
-        node = self._quota.pop_over_cap(self._is_current) if self._quota.has_cap else None
-        return node if node is not None else self._heap.pop(self._is_current)
-
-    def _is_candidate(self, node: RadixNode) -> bool:
-        """An attached, unlocked leaf whose tail block only the tree holds (a sequence that
-        still holds it would lose nothing: evicting it frees no memory)."""
-        return (
-            not node.is_root
-            and node.parent is not None
-            and not node.children
-            and node.lock_count == 0
-            and bool(node.block_ids)
-            and self._is_held_by_tree_only(node.block_ids[-1])
-        )
-
-    def _is_held_by_tree_only(self, block_id: int) -> bool:
-        return self.pool.refcount(block_id) == 1
-
     def num_evictable_blocks(self) -> int:
         """How many blocks evict() would free if asked for all of them right now (kept up
         to date: no walk)."""
-        return self._num_evictable
-
-    def _count_evictable_by_walk(self) -> int:
-        """num_evictable_blocks recounted from the tree (what evict(all) would free), for
-        check_integrity()."""
-        num_below: dict[int, int] = {}
-        is_all_evictable: dict[int, bool] = {}
-        total = 0
-        for root in self._roots.values():
-            for node in reversed(list(self._preorder(root))):
-                children = node.children.values()
-                num = sum(num_below[c.node_id] for c in children)
-                whole = all(is_all_evictable[c.node_id] for c in children)
-                if whole and node.lock_count == 0:
-                    tail = self._num_evictable_tail_blocks(node)
-                    num, whole = num + tail, tail == len(node.block_ids)
-                num_below[node.node_id], is_all_evictable[node.node_id] = num, whole
-            total += num_below[root.node_id]
-        return total
-
-    def _num_evictable_tail_blocks(self, node: RadixNode) -> int:
-        num = 0
-        for block_id in reversed(node.block_ids):
-            if not self._is_held_by_tree_only(block_id):
-                break
-            num += 1
-        return num
+        return self._eviction.num_evictable_blocks
 
     def invalidate(self, block_id: int) -> list[int]:
         """Drop block_id, the blocks after it on its edge and the whole subtree below.
@@ -505,20 +348,19 @@ class RadixCache:
     def reset(self) -> list[int]:
         """Drop every namespace; returns all block ids the tree released."""
         released = [b for namespace in list(self._roots) for b in self._drop_tree(namespace)]
-        self._heap.clear()  # every entry is stale now; keeps no detached node alive
-        self._quota.clear_heaps()
+        self._eviction.clear()
         if self._events is not None:
             self._events.cleared()
         return released
 
     def _release_subtree(self, top: RadixNode) -> list[int]:
         released: list[int] = []
-        for node in self._preorder(top):
+        for node in preorder(top):
             for block_id in node.block_ids:
                 self._release_block(block_id)
                 released.append(block_id)
             node.block_ids, node.token_ids = [], ()
-            self._recount(node)
+            self._eviction.recount(node)
         return released
 
     def _release_block(self, block_id: int) -> None:
@@ -544,10 +386,7 @@ class RadixCache:
         if node.lock_count:  # an unlocked node (every evicted one) walks nothing up
             self._add_lock_count(parent, -node.lock_count)
         node.parent = None
-        if node.is_blocked:
-            parent.num_blocked_children -= 1
-            self._refresh(parent)
-        self._offer(parent)  # it may be a leaf now
+        self._eviction.on_detach(node, parent)
         return parent
 
     # -- inspection ---------------------------------------------------------------------
@@ -556,7 +395,7 @@ class RadixCache:
         leaves = [
             node
             for root in self._roots.values()
-            for node in self._preorder(root)
+            for node in preorder(root)
             if not node.children and not node.is_root
         ]
         if not leaves:
@@ -607,15 +446,6 @@ class RadixCache:
     def namespaces(self) -> list[Namespace]:
         return list(self._roots)
 
-    @staticmethod
-    def _preorder(top: RadixNode) -> Iterator[RadixNode]:
-        # Iterative: a long conversation makes a deep path.
-        stack = [top]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
-
     def check_integrity(self) -> None:
         """Raise AssertionError unless the tree and the pool agree.
 
@@ -624,74 +454,4 @@ class RadixCache:
         keyed by their first block and point back to their parent; lock counts add up; with KV
         events, the hashes recorded for the events equal a recompute from the tree.
         """
-        seen: set[int] = set()
-        for root in self._roots.values():
-            assert root.is_root and root.parent is None and not root.block_ids
-            assert root.lock_count == 0 and not root.token_ids
-            for node in self._preorder(root):
-                self._check_node(node, seen)
-        assert seen == set(self._node_of_block) == set(self._index_of_block), (
-            "block index out of sync with the tree"
-        )
-        for block_id in range(self.pool.num_blocks):
-            if self.pool.is_tree_owned(block_id):
-                assert block_id in seen, f"block {block_id} tree-owned but not in the tree"
-        num_walked = self._count_evictable_by_walk()
-        assert self._num_evictable == num_walked, (
-            f"evictable count {self._num_evictable} != {num_walked} by walking the tree"
-        )
-        if self._events is not None:
-            assert self._events.recorded_hashes() == self.block_hashes(), (
-                "KV event hashes out of sync with the tree"
-            )
-        self._check_queues()
-
-    def _check_queues(self) -> None:
-        """Every eviction candidate is queued globally and, with a cap, in its namespace; the
-        per-namespace block counts equal a recount."""
-        queued = self._heap.queued_node_ids(self._is_current)
-        candidates = []
-        walked: dict[Namespace, int] = {}
-        for namespace, root in self._roots.items():
-            assert root.namespace == namespace, f"root of {namespace!r} is {root.namespace!r}"
-            for node in self._preorder(root):
-                assert node.namespace == namespace, f"node {node.node_id} in a wrong namespace"
-                walked[namespace] = walked.get(namespace, 0) + len(node.block_ids)
-                if self._is_candidate(node):
-                    assert node.node_id in queued, f"eviction candidate {node.node_id} not queued"
-                    candidates.append((namespace, node))
-        self._quota.check(walked, candidates, self._is_current)
-
-    def _check_figures(self, node: RadixNode) -> None:
-        """node's running figures equal a recount (the walk checks the total)."""
-        if node.is_root:
-            return
-        pinned = [i for i, b in enumerate(node.block_ids) if not self._is_held_by_tree_only(b)]
-        last_pinned = max(pinned, default=-1)
-        num_blocked = sum(child.is_blocked for child in node.children.values())
-        is_covered = node.num_own_locks > 0 or num_blocked > 0
-        expected = (last_pinned, num_blocked, is_covered or last_pinned >= 0)
-        actual = (node.last_pinned_index, node.num_blocked_children, node.is_blocked)
-        assert actual == expected, f"node {node.node_id}: figures {actual} != {expected}"
-        num_evictable = 0 if is_covered else self._num_evictable_tail_blocks(node)
-        assert node.num_evictable_blocks == num_evictable, f"node {node.node_id} evictable"
-
-    def _check_node(self, node: RadixNode, seen: set[int]) -> None:
-        bs = self.block_size
-        for key, child in node.children.items():
-            assert child.parent is node, f"node {child.node_id} has a wrong parent"
-            assert key == child.token_ids[:bs], f"node {child.node_id} keyed by {key}"
-        child_locks = sum(child.lock_count for child in node.children.values())
-        if not node.is_root:
-            assert node.block_ids, f"node {node.node_id} has an empty edge"
-            assert node.lock_count == node.num_own_locks + child_locks, "lock counts disagree"
-        assert len(node.token_ids) == len(node.block_ids) * bs, "edge is not whole blocks"
-        assert node.last_access <= self._clock
-        for index, block_id in enumerate(node.block_ids):
-            assert block_id not in seen, f"block {block_id} appears twice in the tree"
-            seen.add(block_id)
-            assert self._node_of_block.get(block_id) is node, f"block {block_id} misindexed"
-            assert self._index_of_block[block_id] == index, f"block {block_id} index"
-            assert self.pool.refcount(block_id) >= 1, f"tree block {block_id} is free"
-            assert self.pool.is_tree_owned(block_id), f"tree block {block_id} not tree-owned"
-        self._check_figures(node)
+        radix_integrity.check_integrity(self)

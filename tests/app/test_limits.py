@@ -179,7 +179,7 @@ def test_the_caps_are_the_settings_keys() -> None:
     """Each cap here is a ServerSettings key, and each such key is exercised above."""
     limit_keys = {key for key in ServerSettings.model_fields if key in CAPS}
     assert limit_keys == set(CAPS)
-    assert {"max_n", "max_stop_strings"} <= limit_keys  # were constants in app/protocol.py
+    assert {"max_n", "max_stop_strings"} <= limit_keys  # were constants of the request models
 
 
 # -- OpenAI's fixed ranges --------------------------------------------------------------------

@@ -13,7 +13,7 @@ from openai_schemas import assert_valid
 from tiny_tokenizer import build_tiny_tokenizer
 
 from app.json_schema import canonical_json
-from app.protocol import MAX_PARALLEL_TOOL_CALLS, NO_ARGUMENTS
+from app.structured_output import MAX_PARALLEL_TOOL_CALLS, NO_ARGUMENTS
 from engine.core.protocol import FinishReason
 from engine.tokenizer import Tokenizer
 

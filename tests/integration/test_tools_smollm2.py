@@ -12,7 +12,7 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 
-from app.protocol import MAX_PARALLEL_TOOL_CALLS
+from app.structured_output import MAX_PARALLEL_TOOL_CALLS
 
 pytestmark = pytest.mark.integration
 

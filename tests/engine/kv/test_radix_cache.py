@@ -6,7 +6,8 @@ import pytest
 
 from engine.core.sequence import make_namespace
 from engine.kv.block_pool import BlockPool
-from engine.kv.radix_cache import MatchResult, RadixCache
+from engine.kv.radix_cache import RadixCache
+from engine.kv.radix_node import MatchResult
 from tests.engine.kv.radix_helpers import NS, cached
 
 BS = 4  # block_size: small so that block boundaries are easy to see

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.kv.block_pool import BlockPool
-from engine.kv.radix_cache import MatchResult, RadixCache, RadixNode
+from engine.kv.radix_cache import RadixCache
+from engine.kv.radix_node import MatchResult, RadixNode
 
 BS = 2
 NAMESPACES = ("tenant-a", "tenant-b")
