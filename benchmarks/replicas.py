@@ -7,7 +7,7 @@ with --policy cache_aware, then with --policy round_robin; and one replica alone
 multi-turn and many-system-prompts workloads of benchmarks/serving.py and reports, per policy
 and workload: the cluster-wide prefix-cache hit rate (sum over the replicas of the
 kvshare_prefix_cache_hits_total / kvshare_prefix_cache_queries_total deltas of their
-/metrics), TTFT p50/p99 and output tokens per second.
+/metrics), the blocks their prefix caches evicted, TTFT p50/p99 and output tokens per second.
 
     python benchmarks/replicas.py --out benchmarks/results/replicas.json
 
@@ -25,8 +25,8 @@ same replica by accident. The drill runs once per KV pool size in --kv-blocks-pe
 here), so round-robin loses only the turns it sends away from the newest history; a number N
 gives each replica N blocks and the single baseline 2N (the same cores and the same KV memory
 in total), a fleet whose users' histories outgrow one replica's pool. Each run reports the
-blocks of history its multi-turn conversations leave behind (last prompt plus answer of each,
-in whole blocks) to set N against.
+full KV blocks of history its multi-turn conversations leave behind (history_blocks) to set N
+against.
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ ROUTER_VERSION = "0.3.2"
 POLICIES = ("cache_aware", "round_robin")
 TARGETS = (*POLICIES, "single")
 WORKLOADS = ("multi-turn", "many-system-prompts")
+# KV pool per replica in blocks, one drill each (None: the config's pool, ample here).
+DEFAULT_POOLS = (None, 150, 100, 75)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HITS = "kvshare_prefix_cache_hits_total"
 QUERIES = "kvshare_prefix_cache_queries_total"
@@ -76,7 +78,7 @@ class DrillConfig:
     config_path: str = "config/cpu.yaml"
     # KV pool of each replica in blocks, one drill per entry (None: the config's pool); the
     # single baseline gets twice a set pool.
-    pools: list[int | None] = field(default_factory=lambda: [None, 150, 100, 75])
+    pools: list[int | None] = field(default_factory=lambda: list(DEFAULT_POOLS))
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvshare-drill-")))
 
 
@@ -93,7 +95,7 @@ class Run:
     queries: float
     per_replica_queries: list[float]
     evicted_blocks: int  # blocks the replicas' prefix caches evicted during the run
-    history_blocks: int  # blocks of every conversation's full history at the end of the run
+    history_blocks: int  # full blocks of the conversations' histories at the end of the run
     summary: dict
     ttft_s: list[float] = field(default_factory=list)
 
@@ -228,12 +230,15 @@ def block_size_in(text: str) -> int:
 
 
 def history_blocks(results: list[serving.RequestResult], block_size: int) -> int:
-    """Whole blocks of each conversation's history after its last turn (prompt plus answer)."""
+    """Full KV blocks of each conversation's history after its last completed turn, summed over
+    the conversations: what the prefix cache keeps of it (the prompt and the answer but its
+    last token, whose KV is never computed). A prefix that conversations share, such as the
+    chat template's default system prompt, counts once in each."""
     last: dict[int, serving.RequestResult] = {}
     for r in results:
         if r.ok and (r.conversation_id not in last or r.turn > last[r.conversation_id].turn):
             last[r.conversation_id] = r
-    return sum(-(-(r.prompt_tokens + r.output_tokens) // block_size) for r in last.values())
+    return sum((r.prompt_tokens + r.output_tokens - 1) // block_size for r in last.values())
 
 
 def run_workload(
@@ -393,7 +398,7 @@ def start_replicas(
     started = []
     for name, num_threads in (("replica-a", 1), ("replica-b", 1), ("single", 2)):
         port = free_port()
-        num_kv_blocks = None if pool is None else pool * num_threads
+        num_kv_blocks = None if pool is None else pool * (2 if name == "single" else 1)
         argv = replica_argv(port, num_threads, drill.config_path, num_kv_blocks)
         child = stack.enter_context(process(argv, log_dir / f"{name}.log"))
         started.append((name, f"http://127.0.0.1:{port}", child))
@@ -498,7 +503,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[DrillConfig, Path | None]
         "--kv-blocks-per-replica",
         type=parse_pool,
         nargs="+",
-        default=[None, 150, 100, 75],
+        default=list(DEFAULT_POOLS),
         metavar="BLOCKS",
         help="KV pool of each replica, one drill per value: 'config' or blocks (the single gets "
         "twice); default: config 150 100 75",

@@ -216,8 +216,8 @@ def _mixed_length(rng: random.Random, index: int, max_tokens: int) -> Conversati
 
 
 def think_times(num_pauses: int, mean_s: float, seed: int, conversation_id: int) -> list[float]:
-    """A user's pauses in seconds between reading an answer and sending the next turn:
-    exponential with mean mean_s (all 0 at mean 0), drawn per conversation and seed."""
+    """A user's pauses in seconds between reading an answer and sending the next turn (one
+    per later turn): exponential with mean mean_s (all 0 at mean 0), per conversation and seed."""
     if mean_s < 0:
         raise ValueError("mean_s must not be negative")
     if mean_s == 0:
@@ -422,14 +422,15 @@ async def _run_conversation(
     messages: list[dict] = []
     if conversation.system_prompt is not None:
         messages.append({"role": "system", "content": conversation.system_prompt})
+    num_later_turns = len(conversation.user_turns) - 1
     pauses = think_times(
-        len(conversation.user_turns), config.think_time_s, config.seed, conversation.conversation_id
+        num_later_turns, config.think_time_s, config.seed, conversation.conversation_id
     )
     for turn, (user, max_tokens) in enumerate(
         zip(conversation.user_turns, conversation.max_tokens, strict=True)
     ):
-        if turn > 0 and pauses[turn] > 0:
-            await asyncio.sleep(pauses[turn])  # outside the limiter: a reading user holds no slot
+        if turn > 0 and pauses[turn - 1] > 0:
+            await asyncio.sleep(pauses[turn - 1])  # outside the limiter: a reader holds no slot
         messages.append({"role": "user", "content": user})
         body = _request_body(config, model, list(messages), max_tokens)
         result = RequestResult(conversation.conversation_id, turn)

@@ -1,6 +1,7 @@
 """The prefix tree's plain data: its nodes and the result of a match (torch-free).
 
-engine/kv/radix_cache.py builds and mutates these; callers hold them as opaque handles
+engine/kv/radix_cache.py builds them and changes the tree's shape; engine/kv/eviction_queue.py
+keeps their eviction figures up to date. Callers hold them as opaque handles
 (MatchResult.last_node for lock() / unlock()) and read a MatchResult's fields.
 """
 

@@ -22,7 +22,7 @@ from engine.core.protocol import EngineStats
 RequestResult = replicas.serving.RequestResult
 
 
-def test_defaults_run_three_pools_with_pausing_users():
+def test_defaults_run_four_pools_with_pausing_users():
     drill, out = parse_args([])
     assert drill.pools == [None, 150, 100, 75]
     assert drill.think_time_s == 1.0
@@ -61,6 +61,11 @@ def test_counters_and_block_size_come_from_the_servers_own_exposition():
     metrics.observe_engine(stats)
     text = metrics.render().decode()
     assert counters(text) == (20.0, 50.0, 7.0)
+    # A counter with label sets is summed over them.
+    labelled = (
+        'kvshare_kv_evictions_total{pool="a"} 2.0\nkvshare_kv_evictions_total{pool="b"} 3.0\n'
+    )
+    assert counters(labelled) == (0.0, 0.0, 5.0)
     assert block_size_in(text) == 32
 
 
@@ -68,15 +73,16 @@ def _result(conversation_id: int, turn: int, prompt: int, output: int, ok: bool 
     return RequestResult(conversation_id, turn, ok=ok, prompt_tokens=prompt, output_tokens=output)
 
 
-def test_history_counts_each_conversations_last_completed_turn_in_whole_blocks():
+def test_history_counts_the_full_blocks_of_each_conversations_last_completed_turn():
+    # The KV of a history is its prompt and its answer but the answer's last token.
     results = [
         _result(0, 0, 40, 16),
-        _result(1, 0, 30, 16),
-        _result(0, 1, 70, 16),  # 86 tokens: 6 blocks of 16
-        _result(1, 1, 64, 16, ok=False),  # failed: conversation 1 ends at turn 0 (46: 3 blocks)
-        _result(2, 0, 16, 16),  # exactly 2 blocks
+        _result(1, 0, 32, 16),
+        _result(0, 1, 81, 16),  # 97 tokens, 96 with KV: 6 full blocks of 16
+        _result(1, 1, 64, 16, ok=False),  # failed: conversation 1 ends at turn 0 (47: 2 blocks)
+        _result(2, 0, 16, 16),  # 32 tokens, 31 with KV: 1 full block
     ]
-    assert history_blocks(results, block_size=16) == 6 + 3 + 2
+    assert history_blocks(results, block_size=16) == 6 + 2 + 1
     assert history_blocks([], block_size=16) == 0
 
 

@@ -298,26 +298,26 @@ def test_think_times_are_exponential_per_conversation_and_seed():
 
 def test_think_time_pauses_between_turns_without_holding_a_slot():
     fake = FakeOpenAI()
-    mean_s = 0.3  # the two users' pauses add up to 0.32 s and 0.40 s (seed 0)
+    mean_s = 1.0  # seed 0: the two users' three pauses add up to 2.25 s and 0.90 s
     config = {"workload": "multi-turn", "num_requests": 8, "max_tokens": 2, "concurrency": 1}
     results, duration_s = _run(fake, think_time_s=mean_s, **config)
     assert len(results) == 8 and all(r.ok for r in results)
     # Each conversation's later turn arrives no sooner than its pause after the turn before.
+    pauses = {c: think_times(3, mean_s, seed=0, conversation_id=c) for c in (0, 1)}
     for conversation_id in (0, 1):
-        pauses = think_times(4, mean_s, seed=0, conversation_id=conversation_id)
+        opening = fake.bodies[conversation_id]["messages"][0]["content"]
         mine = [
             t
             for t, body in zip(fake.arrived_s, fake.bodies, strict=True)
-            if body["messages"][0]["content"]
-            == fake.bodies[conversation_id]["messages"][0]["content"]
+            if body["messages"][0]["content"] == opening
         ]
         assert len(mine) == 4
         for turn in (1, 2, 3):
-            assert mine[turn] - mine[turn - 1] >= pauses[turn]
-    total = [sum(think_times(4, mean_s, seed=0, conversation_id=c)[1:]) for c in (0, 1)]
-    assert duration_s >= max(total)
-    # One slot, yet the two users' pauses overlap: a reading user does not hold the slot.
-    assert duration_s < sum(total)
+            assert mine[turn] - mine[turn - 1] >= pauses[conversation_id][turn - 1]
+    # One slot, yet the pauses overlap: had a pausing user held the slot, the run would last
+    # at least the sum of both users' pauses (3.15 s); it lasts about the longer one (2.25 s).
+    total = [sum(pauses[c]) for c in (0, 1)]
+    assert max(total) <= duration_s < sum(total)
 
 
 def test_concurrency_bounds_requests_in_flight():

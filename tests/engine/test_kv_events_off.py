@@ -1,6 +1,7 @@
 """KV events are opt-in: with kv_events_endpoint unset (the default) an engine that serves
 requests, inserts into its prefix cache and evicts from it has no publisher, never imports zmq
-or msgpack (so it cannot have opened a socket), and collects no events during its steps."""
+or msgpack (so it cannot have opened a socket), and keeps no block hashes (the radix cache
+hashes nothing without a sink: tests/engine/kv/test_kv_events.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine.core.config import EngineConfig
+from engine.core.errors import KVEventsDisabled
 from engine.core.protocol import EngineRequest
 from tests.engine.engine_helpers import GREEDY, make_engine, random_prompts
 
@@ -56,12 +60,13 @@ def test_serving_with_events_off_imports_no_zmq_and_has_no_publisher(tiny_model_
     assert report == {"publisher": False, "evictions": report["evictions"], "modules": []}
 
 
-def test_steps_collect_no_events_when_off(tiny_model_dir) -> None:
+def test_the_cache_records_no_events_when_off(tiny_model_dir) -> None:
     engine = make_engine(tiny_model_dir, num_kv_blocks=40)
     for i, prompt in enumerate(random_prompts(24, seed=6)):
         engine.add_request(EngineRequest(f"r{i}", prompt, GREEDY))
         while engine.has_unfinished_requests():
             engine.step()
-            assert engine._kv_events == []
     assert engine.stats().num_evictions > 0
     assert engine.kv_event_publisher is None
+    with pytest.raises(KVEventsDisabled):  # the radix cache kept no block hashes to list
+        engine.kv_cache_manager.cached_block_hashes()
