@@ -46,6 +46,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -62,6 +64,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 HITS = "kvshare_prefix_cache_hits_total"
 QUERIES = "kvshare_prefix_cache_queries_total"
 EVICTIONS = "kvshare_kv_evictions_total"
+CACHE_CONFIG = "kvshare_cache_config_info"
 SGLANG_PROBES = ("/server_info", "/get_server_info", "/model_info", "/get_model_info")
 
 
@@ -209,24 +212,27 @@ def scrape(url: str) -> str:
     return httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
 
 
+def samples(text: str) -> list[Sample]:
+    """Every sample of a /metrics text (prometheus_client's parser of the text format)."""
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
 def counters(text: str) -> tuple[float, float, float]:
     """(hits, queries, evicted blocks): a /metrics text's prefix-cache and eviction counters,
     each summed over its label sets."""
     totals = {HITS: 0.0, QUERIES: 0.0, EVICTIONS: 0.0}
-    for line in text.splitlines():
-        name, _, rest = line.partition(" ")
-        name = name.split("{", 1)[0]
-        if name in totals:
-            totals[name] += float(rest.split()[-1] if "}" in line else rest)
+    for sample in samples(text):
+        if sample.name in totals:
+            totals[sample.name] += sample.value
     return totals[HITS], totals[QUERIES], totals[EVICTIONS]
 
 
 def block_size_in(text: str) -> int:
     """Tokens per KV block, from the kvshare_cache_config_info gauge of a /metrics text."""
-    found = re.search(r'^kvshare_cache_config_info\{[^}]*block_size="(\d+)"', text, re.MULTILINE)
-    if found is None:
-        raise RuntimeError("/metrics has no kvshare_cache_config_info sample")
-    return int(found.group(1))
+    for sample in samples(text):
+        if sample.name == CACHE_CONFIG:
+            return int(sample.labels["block_size"])
+    raise RuntimeError(f"/metrics has no {CACHE_CONFIG} sample")
 
 
 def history_blocks(results: list[serving.RequestResult], block_size: int) -> int:
@@ -274,12 +280,13 @@ def measure(
     )
     before = [counters(scrape(url)) for url in replica_urls]
     summary, results = run_workload(drill, base_url, model, workload, seed)
-    after = [counters(scrape(url)) for url in replica_urls]
+    after_texts = [scrape(url) for url in replica_urls]
+    after = [counters(text) for text in after_texts]
     deltas = [
         tuple(x - y for x, y in zip(a, b, strict=True)) for a, b in zip(after, before, strict=True)
     ]
     ttft = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
-    block_size = block_size_in(scrape(replica_urls[0]))
+    block_size = block_size_in(after_texts[0])
     return Run(
         pool=pool,
         round=round_index,
