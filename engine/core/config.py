@@ -13,9 +13,11 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine/runtime/attention/select.py
 SCHEDULING_POLICIES = ("fcfs", "longest-prefix-first")  # see engine/core/admission.py
 BLOCK_SIZES = (8, 16, 32, 64, 128)
-# none: exact (the oracle for every equality test); fp16: fp16 weights, fp32 math; int8: int8
-# weights and per-token int8 activations. CPU float32 only (engine/runtime/cpu/quant.py).
-QUANTIZATIONS = ("none", "fp16", "int8")
+# none: exact (the oracle for every equality test); native: a GGUF model's blocks as stored
+# (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K kernels, fp32 math); q8_0: Q8_0 blocks made at load; fp16: fp16
+# weights, fp32 math; int8: int8 weights and per-token int8 activations. CPU float32 only
+# (engine/runtime/cpu/quant.py).
+QUANTIZATIONS = ("none", "native", "q8_0", "fp16", "int8")
 # The most max_schema_bytes may allow; app/json_schema.py's check_schema refuses larger schemas
 # whatever the setting (a backstop: the routes check the configured cap first, app/limits.py).
 MAX_SCHEMA_BYTES_CEILING = 1024 * 1024
@@ -43,7 +45,7 @@ class EngineConfig:
     model: str | None = None  # HF dir, hub id (offline cache), .gguf file; None: embedded default
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda
-    quantization: str = "none"  # none (exact) | fp16 | int8 (CPU, float32 models)
+    quantization: str = "none"  # none (exact) | native | q8_0 | fp16 | int8 (CPU, float32)
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size in blocks; wins over the next two
     kv_cache_bytes: int | None = None  # pool size in bytes (CPU default: 1 GiB)

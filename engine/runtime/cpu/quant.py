@@ -1,7 +1,10 @@
 """Fewer weight bytes per token on the CPU: the `quantization` modes besides none (exact).
 
-Both run on fbgemm (torch.ops.quantized, prepacked once), the fastest of the options measured
-on SmolLM2's shapes (benchmarks/README.md, "Quantization"); fbgemm needs AVX2 at least:
+native and q8_0 compute on GGUF blocks (engine/runtime/cpu/block_linear.py): native on the
+blocks a GGUF model is stored in (the served model itself, not an approximation of it), q8_0 on
+Q8_0 blocks made from any float model at load. fp16 and int8 run on fbgemm (torch.ops.quantized,
+prepacked once), the fastest of the options measured on SmolLM2's shapes (benchmarks/README.md,
+"Quantization"); fbgemm needs AVX2 at least:
 
 - fp16: weights stored as float16 (half of fp32's bytes), activations and accumulation in
   fp32 (fbgemm's linear_dynamic_fp16). Top-1 agreement with the exact model 1.0 on the
@@ -27,14 +30,21 @@ AVX-512 (reduce_range keeps AVX2's 16-bit pair sums from saturating: activation 
 
 from __future__ import annotations
 
+import logging
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from engine.core.errors import ParamError
 from engine.runtime.cpu import capabilities
+from engine.runtime.cpu.block_linear import BlockEmbedding, BlockLinear, quantize_q8_0
+from engine.runtime.cpu.gguf_blocks import read_blocks
 from engine.runtime.cpu.linear import replace_linears
+from engine.runtime.cpu.native import NativeBuildError, load_library
+
+logger = logging.getLogger(__name__)
 
 _INT8_MAX = 127
 _TINY = 1e-12  # an all-zero row keeps a finite scale (its output is the bias)
@@ -107,14 +117,25 @@ def _prepack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 LINEAR_CLASSES: dict[str, type[nn.Module]] = {"fp16": Fp16Linear, "int8": Int8Linear}
 
 
-def quantize_model(model: nn.Module, mode: str, device: torch.device, dtype: torch.dtype) -> int:
+def quantize_model(
+    model: nn.Module,
+    mode: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    gguf_path: Path | None = None,
+    kernels_dir: Path | None = None,
+) -> int:
     """Apply `mode` to a loaded Llama-family model in place: every projection and the LM head
-    (a tied head becomes a quantized copy of the embedding; the lookup keeps the fp32 table).
+    (a tied head becomes a quantized copy of the embedding; the lookup keeps the fp32 table, or
+    under native/q8_0 shares the head's blocks). `gguf_path`: the file the weights came from
+    (native computes on its blocks); `kernels_dir`: where the native library is built.
     Returns the number of linears replaced (0 for "none", which leaves the model exact)."""
     if mode == "none":
         return 0
     if device.type != "cpu" or dtype != torch.float32:
         raise ParamError("quantization", f"quantization {mode} runs on the CPU in float32 only")
+    if mode in ("native", "q8_0"):
+        return _use_blocks(model, mode, gguf_path, kernels_dir)
     if not can_quantize():
         raise ParamError(
             "quantization", f"quantization {mode} needs fbgemm and an AVX2 CPU; use none"
@@ -124,3 +145,64 @@ def quantize_model(model: nn.Module, mode: str, device: torch.device, dtype: tor
     head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = linear_class(head, None)
     return count + 1
+
+
+def _use_blocks(model: nn.Module, mode: str, gguf_path: Path | None, kernels_dir) -> int:
+    try:
+        library = load_library(kernels_dir or Path(".kernels"))
+    except NativeBuildError as exc:
+        if mode == "q8_0":
+            message = f"quantization q8_0 needs the native kernels: {exc}"
+            raise ParamError("quantization", message) from exc
+        logger.warning("no native kernels (%s): quantization native runs the exact weights", exc)
+        return 0
+    if mode == "q8_0":
+        blocks = _q8_0_blocks(model)
+    elif gguf_path is None:
+        logger.info(
+            "quantization native: the weights are not GGUF blocks, so they run as loaded "
+            "(exact); --quantization q8_0 or fp16 reads fewer bytes"
+        )
+        return 0
+    else:
+        spec = model.spec
+        blocks, skipped = read_blocks(gguf_path, spec.num_heads, spec.num_kv_heads)
+        if skipped:
+            shown = ", ".join(f"{name} ({why})" for name, why in sorted(skipped.items()))
+            logger.info("no block kernel, dequantized at load: %s", shown)
+    return _replace_with_blocks(model, blocks, library)
+
+
+def _q8_0_blocks(model: nn.Module) -> dict:
+    blocks = {
+        name: quantize_q8_0(module.weight)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module.in_features % 32 == 0
+    }
+    if model.lm_head is None and model.spec.hidden_size % 32 == 0:  # tied: the table's blocks
+        blocks["model.embed_tokens"] = quantize_q8_0(model.model.embed_tokens.weight)
+    return blocks
+
+
+def _replace_with_blocks(model: nn.Module, blocks: dict, library) -> int:
+    """Swap each named module for its block twin; a tied head reads the embedding's blocks."""
+    tied = model.lm_head is None
+    for name, weight in blocks.items():
+        if tied and name == "lm_head":
+            continue  # the checkpoint's own head is unused when the config ties it
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, child)
+        if isinstance(old, nn.Embedding):
+            expected, new = old.weight.shape, BlockEmbedding(weight, library)
+        else:
+            expected, new = old.weight.shape, BlockLinear(weight, old.bias, library)
+        if tuple(expected) != (weight.out_features, weight.in_features):
+            raise ValueError(
+                f"GGUF tensor for {name} is {tuple(weight.data.shape)} bytes, "
+                f"expected a {tuple(expected)} weight"
+            )
+        setattr(parent, child, new)
+    if tied and "model.embed_tokens" in blocks:
+        model.lm_head = BlockLinear(blocks["model.embed_tokens"], None, library)
+    return sum(isinstance(m, BlockLinear) for m in model.modules())

@@ -359,9 +359,11 @@ class LlamaForCausalLM(nn.Module):
         """Run every projection and the LM head on oneDNN with packed weights (see
         runtime/cpu/linear.py); call after load_weights, when can_pack() says so."""
         pack_linears(self.model)
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        # A tied head becomes a packed copy of the embedding (the lookup keeps the plain table).
-        self.lm_head = PackedLinear(head, None)
+        if self.lm_head is None and isinstance(self.model.embed_tokens, nn.Embedding):
+            # A tied head becomes a packed copy of the embedding (the lookup keeps the plain table).
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None)
+        elif isinstance(self.lm_head, nn.Linear):
+            self.lm_head = PackedLinear(self.lm_head.weight, None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters; raise if any part stays unset.

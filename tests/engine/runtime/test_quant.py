@@ -130,7 +130,7 @@ def test_quantization_where_the_probe_says_no_avx2_is_refused(
 
 
 def test_unknown_mode_names_the_key() -> None:
-    with pytest.raises(ParamError, match="quantization must be none, fp16 or int8"):
+    with pytest.raises(ParamError, match="quantization must be none, native, q8_0, fp16 or int8"):
         EngineConfig(quantization="int4")
 
 

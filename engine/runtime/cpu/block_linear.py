@@ -1,0 +1,141 @@
+"""Weights kept in GGUF block formats and computed as stored (engine/runtime/cpu/block_kernels.cpp).
+
+A GGUF file stores each weight row as blocks: Q4_0, Q4_1 and Q8_0 hold 32 weights a block (an
+fp16 scale, a minimum for Q4_1, and 4- or 8-bit codes), Q4_K and Q6_K 256 a super-block. The
+dequantized tensor is what the exact mode (quantization none) computes on; BlockLinear computes
+the same product from the blocks (each group expanded in registers, fp32 activations and
+sums), so it is F.linear on those weights up to summation order, at a sixth to a quarter of
+fp32's bytes. A row's output does not depend on the other rows of the batch.
+
+Module names stay those of the layers they replace: BlockLinear for a projection or the LM head,
+BlockEmbedding for a table whose looked-up rows are dequantized (SmolLM2 ties its Q8_0 embedding
+to the LM head: both read the same bytes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+# GGML's type numbers of the formats block_kernels.cpp computes on, with (weights, bytes) per block.
+BLOCK_FORMATS: dict[str, tuple[int, int, int]] = {
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q6_K": (14, 256, 210),
+}
+FORMAT_NAMES = {code: name for name, (code, _, _) in BLOCK_FORMATS.items()}
+
+
+@dataclass(frozen=True)
+class BlockWeight:
+    """A [out_features, in_features] weight as GGUF blocks: data [out_features, row bytes] uint8."""
+
+    format: str  # a key of BLOCK_FORMATS
+    data: torch.Tensor
+    in_features: int
+
+    def __post_init__(self) -> None:
+        _, weights, size = BLOCK_FORMATS[self.format]
+        if self.in_features % weights or self.data.dtype != torch.uint8 or self.data.dim() != 2:
+            raise ValueError(f"{self.format} blocks cannot hold rows of {self.in_features}")
+        if self.data.shape[1] != self.in_features // weights * size:
+            raise ValueError(f"{self.format} rows of {self.in_features} are not {self.data.shape}")
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def code(self) -> int:
+        return BLOCK_FORMATS[self.format][0]
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [out, in] as GGUF dequantizes it (gguf-py: the reference)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        qtype = GGMLQuantizationType(self.code)
+        return torch.from_numpy(dequantize(self.data.numpy(), qtype).astype(np.float32))
+
+
+class BlockLinear(nn.Module):
+    """y = x W^T (+ b) with W held as GGUF blocks; x and y are fp32 [N, *]."""
+
+    def __init__(self, weight: BlockWeight, bias: torch.Tensor | None, library: ctypes.CDLL):
+        super().__init__()
+        self.block_weight = weight
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.bias = None if bias is None else bias.detach().float()
+        self._run = library.kvshare_block_linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, in_features] -> [N, out_features]
+        x = x.contiguous().float()
+        rows = x.shape[0]
+        out = torch.empty((rows, self.out_features), dtype=torch.float32)
+        status = self._run(
+            self.block_weight.code, x.data_ptr(), self.block_weight.data.data_ptr(),
+            out.data_ptr(), rows, self.in_features, self.out_features, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"kvshare_block_linear failed with status {status}")
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{self.block_weight.format}"
+        )
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table held as GGUF blocks: each looked-up row dequantized on the fly."""
+
+    def __init__(self, weight: BlockWeight, library: ctypes.CDLL) -> None:
+        super().__init__()
+        self.block_weight = weight
+        self.embedding_dim = weight.in_features
+        self._run = library.kvshare_block_rows
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> [T, E] fp32, the rows GGUF's dequantization gives
+        ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.block_weight.out_features):
+            raise IndexError("token id outside the embedding table")
+        out = torch.empty((ids.numel(), self.embedding_dim), dtype=torch.float32)
+        status = self._run(
+            self.block_weight.code, self.block_weight.data.data_ptr(), ids.data_ptr(),
+            out.data_ptr(), ids.numel(), self.embedding_dim,
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"kvshare_block_rows failed with status {status}")
+        return out
+
+    def extra_repr(self) -> str:
+        weight = self.block_weight
+        return f"{weight.out_features}, {self.embedding_dim}, {weight.format}"
+
+
+def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
+    """Q8_0 blocks of an fp32 [out, in] weight (in a multiple of 32), as llama.cpp quantizes:
+    per 32 weights an fp16 scale max|w| / 127 and int8 codes round(w / scale)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    blocks = quantize(weight.detach().float().numpy(), GGMLQuantizationType.Q8_0)
+    return BlockWeight("Q8_0", torch.from_numpy(np.ascontiguousarray(blocks)), weight.shape[1])
+
+
+def concat_rows(weights: list[BlockWeight]) -> BlockWeight | None:
+    """One BlockWeight of the rows of `weights` in order (a fused qkv or gate_up projection);
+    None when their formats or row lengths differ."""
+    first = weights[0]
+    if any(w.format != first.format or w.in_features != first.in_features for w in weights):
+        return None
+    return BlockWeight(first.format, torch.cat([w.data for w in weights]), first.in_features)

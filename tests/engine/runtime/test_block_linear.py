@@ -1,0 +1,160 @@
+"""The GGUF block kernels (engine/runtime/cpu/block_kernels.cpp) against F.linear on the weights
+as gguf-py dequantizes them, once per kernel build level this CPU executes (the forced lower
+levels included), on odd shapes; and batch invariance: a row's output is bit-identical alone
+and among 3 or 8 rows, and with 1 or 2 threads."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from engine.runtime.cpu.block_linear import (
+    BLOCK_FORMATS,
+    BlockEmbedding,
+    BlockLinear,
+    BlockWeight,
+    concat_rows,
+    quantize_q8_0,
+)
+from engine.runtime.cpu.capabilities import available_isa_levels
+from engine.runtime.cpu.native import load_library
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
+
+# Where each format keeps its fp16 scales (byte offset, typical magnitude): random codes
+# with scales of sane size give weights of the size real checkpoints have.
+_HALF_FIELDS = {
+    "Q4_0": [(0, 0.01)],
+    "Q4_1": [(0, 0.01), (2, 0.05)],
+    "Q8_0": [(0, 0.002)],
+    "Q4_K": [(0, 0.001), (2, 0.002)],
+    "Q6_K": [(208, 0.0005)],
+}
+FORMATS = list(BLOCK_FORMATS)
+
+
+@pytest.fixture(scope="module", params=available_isa_levels())
+def library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    # The session's build dir, shared with the other native kernel tests: one build per level.
+    return load_library(tmp_path_factory.getbasetemp() / "native-kernels", request.param)
+
+
+def random_blocks(fmt: str, out_features: int, in_features: int, seed: int) -> BlockWeight:
+    """Random codes and scales in `fmt`'s layout: every bit pattern the format allows."""
+    rng = np.random.default_rng(seed)
+    per_block, size = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
+    num_blocks = in_features // per_block
+    raw = rng.integers(0, 256, size=(out_features, num_blocks, size), dtype=np.uint8)
+    for offset, scale in _HALF_FIELDS[fmt]:
+        halves = (rng.standard_normal((out_features, num_blocks)) * scale).astype(np.float16)
+        raw[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(out_features, num_blocks, 2)
+    data = torch.from_numpy(raw.reshape(out_features, num_blocks * size))
+    return BlockWeight(fmt, data, in_features)
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def assert_close_to_reference(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Within fp32 summation error of the fp64 product: |err| <= 1e-5 * sum_k |x_k w_k|."""
+    expected = F.linear(x.double(), weight.double())
+    bound = F.linear(x.double().abs(), weight.double().abs()) * 1e-5 + 1e-12
+    assert out.dtype == torch.float32
+    assert ((out.double() - expected).abs() <= bound).all(), (out.double() - expected).abs().max()
+
+
+def in_features_of(fmt: str, multiple: int) -> int:
+    return BLOCK_FORMATS[fmt][1] * multiple
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("out_features", "blocks_per_row"), [(1, 1), (7, 3), (13, 2), (130, 5)])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9])
+def test_matches_f_linear_on_the_dequantized_weights(
+    library, fmt: str, out_features: int, blocks_per_row: int, rows: int
+) -> None:
+    weight = random_blocks(fmt, out_features, in_features_of(fmt, blocks_per_row), seed=rows)
+    layer = BlockLinear(weight, None, library)
+    x = randn(rows, weight.in_features, seed=out_features)
+    assert_close_to_reference(layer(x), x, weight.dequantize())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_rows_output_is_bit_identical_at_1_3_and_8_rows(library, fmt: str) -> None:
+    weight = random_blocks(fmt, 37, in_features_of(fmt, 4), seed=1)
+    layer = BlockLinear(weight, None, library)
+    crowd = randn(8, weight.in_features, seed=2)
+    alone = layer(crowd[5:6])
+    assert torch.equal(layer(crowd[3:6])[2:3], alone)
+    assert torch.equal(layer(crowd)[5:6], alone)
+    # and the whole batch against each row alone
+    assert torch.equal(layer(crowd), torch.cat([layer(crowd[i : i + 1]) for i in range(8)]))
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q6_K"])
+def test_threads_split_outputs_never_the_sum(library, fmt: str) -> None:
+    weight = random_blocks(fmt, 50, in_features_of(fmt, 3), seed=3)
+    layer = BlockLinear(weight, None, library)
+    x = randn(4, weight.in_features, seed=4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(2)
+        two = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_embedding_rows_are_the_dequantized_rows(library, fmt: str) -> None:
+    weight = random_blocks(fmt, 20, in_features_of(fmt, 2), seed=5)
+    table = BlockEmbedding(weight, library)
+    ids = torch.tensor([19, 0, 7, 7])
+    assert torch.equal(table(ids), weight.dequantize()[ids])
+    with pytest.raises(IndexError):
+        table(torch.tensor([20]))
+
+
+def test_bias_is_added(library) -> None:
+    weight = random_blocks("Q4_0", 9, 64, seed=6)
+    bias = randn(9, seed=7)
+    x = randn(2, 64, seed=8)
+    out = BlockLinear(weight, bias, library)(x)
+    assert_close_to_reference(out - bias, x, weight.dequantize())
+
+
+def test_q8_0_quantization_is_llama_cpps() -> None:
+    """quantize_q8_0 against the format's definition: per 32 weights, scale = max|w| / 127
+    stored in fp16 and codes round(w / scale) (with the unrounded scale), so each weight is
+    within half a step of its value plus 127 codes times the scale's fp16 rounding (2^-11)."""
+    weight = randn(6, 96, seed=9)
+    blocks = quantize_q8_0(weight)
+    assert blocks.format == "Q8_0" and tuple(blocks.data.shape) == (6, 3 * 34)
+    groups = weight.view(6, 3, 32)
+    scales = (groups.abs().amax(-1) / 127).half().float()
+    stored = blocks.data.view(6, 3, 34)[:, :, :2].contiguous().view(torch.float16).float()
+    assert torch.equal(stored.view(6, 3), scales)
+    error = (blocks.dequantize().view(6, 3, 32) - groups).abs()
+    assert (error <= scales[..., None] * (0.5 + 127 * 2**-11)).all()
+
+
+def test_block_weights_refuse_rows_that_are_not_whole_blocks() -> None:
+    with pytest.raises(ValueError):
+        BlockWeight("Q4_K", torch.zeros(2, 144, dtype=torch.uint8), 128)
+    with pytest.raises(ValueError):
+        BlockWeight("Q8_0", torch.zeros(2, 33, dtype=torch.uint8), 32)
+
+
+def test_concat_rows_stacks_parts_of_one_format_only() -> None:
+    q, k = random_blocks("Q4_1", 4, 64, seed=10), random_blocks("Q4_1", 2, 64, seed=11)
+    fused = concat_rows([q, k])
+    assert torch.equal(fused.dequantize(), torch.cat([q.dequantize(), k.dequantize()]))
+    assert concat_rows([q, random_blocks("Q8_0", 2, 64, seed=12)]) is None
