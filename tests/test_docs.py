@@ -89,4 +89,4 @@ def test_the_reference_pages_name_what_the_code_has() -> None:
 def test_the_readme_is_short_and_starts_with_the_two_commands() -> None:
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 150
-    assert lines[2].startswith("make serve") and lines[3].startswith("make test"), lines[:5]
+    assert lines[3].startswith("make serve") and lines[4].startswith("make test"), lines[:5]
