@@ -3,6 +3,7 @@ that build, and the reference pages generated from the code are current."""
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -90,3 +91,11 @@ def test_the_readme_is_short_and_starts_with_the_two_commands() -> None:
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 150
     assert lines[3].startswith("make serve") and lines[4].startswith("make test"), lines[:5]
+
+
+def test_the_site_loads_nothing_from_the_network(tmp_path: Path) -> None:
+    """Fonts and mermaid are local: no stylesheet or script points off the site."""
+    assert build(REPO, tmp_path / "site").returncode == 0
+    for page in (tmp_path / "site").rglob("*.html"):
+        html = page.read_text()
+        assert not re.findall(r'<(?:script|link)[^>]+(?:src|href)="(?:https?:)?//', html), page
