@@ -19,6 +19,7 @@ import dataclasses
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 import yaml
 
@@ -69,8 +70,11 @@ def documented_keys(path: Path) -> dict[tuple[str, str], str]:
 
 
 def _type_name(annotation: object) -> str:
+    """`int`, `str | None`, `tuple[str, ...]`; a Literal as its values, `a | b`."""
     if isinstance(annotation, type):
         return annotation.__name__
+    if get_origin(annotation) is Literal:
+        return " | ".join(str(value) for value in get_args(annotation))
     return str(annotation).replace("typing.", "")
 
 
@@ -119,7 +123,7 @@ def configuration_page() -> str:
                 continue
             given = [profiles[name].get(section, {}) for name in profiles]
             values = [_yaml_value(p[key]) if key in p else "" for p in given]
-            rows.append((f"`{key}`", f"`{type_name}`", _yaml_value(default), *values,
+            rows.append((f"`{key}`", type_name, _yaml_value(default), *values,
                          described.get((section, key), "")))  # fmt: skip
         head = ("key", "type", "default", "cpu.yaml", "cuda.yaml", "description")
         out.append(f"\n## `{section}:`\n\n" + _table(head, rows))
