@@ -78,10 +78,9 @@ def test_the_reference_pages_name_what_the_code_has() -> None:
     """Independent of the generator's own rendering: a few facts read back from the pages."""
     reference = REPO / "docs" / "reference"
     config = (reference / "configuration.md").read_text()
+    # key, type, default, then config/cpu.yaml's value
     assert "| `max_num_seqs` | int | `64` | `32` |" in config
-    assert (
-        "| `log_level` | debug \\| info \\| warning \\| error | `info` |" in config
-    )  # default, then config/cpu.yaml
+    assert "| `log_level` | debug \\| info \\| warning \\| error | `info` | `info` |" in config
     metrics = (reference / "metrics.md").read_text()
     assert "| `kvshare_kv_blocks` | gauge | `state` |" in metrics
     assert "| `kvshare_requests_total` | counter | `finish_reason` |" in metrics
