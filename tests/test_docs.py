@@ -38,7 +38,7 @@ def docs_copy(tmp_path: Path) -> Path:
 def test_the_site_builds_strictly(tmp_path: Path) -> None:
     result = build(REPO, tmp_path / "site")
     assert result.returncode == 0, result.stdout + result.stderr
-    architecture = (tmp_path / "site" / "architecture" / "index.html").read_text()
+    architecture = (tmp_path / "site" / "architecture.html").read_text()
     assert '<pre class="mermaid">' in architecture  # the diagram is a mermaid fence
     assert "assets/javascripts/mermaid.min.js" in architecture  # served locally, not a CDN
 
