@@ -9,7 +9,7 @@ LOCK := requirements/constraints.txt
 # 2.13.0+cpu); elsewhere: make setup TORCH_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 
-.PHONY: setup lock serve test lint format bench clean
+.PHONY: setup lock serve test lint format bench docs clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,7 @@ serve: setup
 	$(BIN)/kvshare serve --config config/cpu.yaml --host 127.0.0.1 --port 8000
 
 # Tests also need a real Prometheus (Debian package; promtool checks and the metrics test).
+# tests/test_docs.py builds the docs site with --strict and checks the generated reference pages.
 test: setup
 	bash scripts/install_prometheus.sh
 	$(BIN)/ruff check .
@@ -45,8 +46,12 @@ format: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# The documentation site, into site/ (docs/reference/ comes from scripts/gen_docs_ref.py).
+docs: setup
+	$(BIN)/mkdocs build --strict
+
 bench: setup
 	$(BIN)/python benchmarks/offline_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site

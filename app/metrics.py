@@ -1,4 +1,5 @@
-"""The only place Prometheus metric objects are defined (names: the README's metrics list).
+"""The only place Prometheus metric objects are defined (names: docs/metrics.md;
+docs/reference/metrics.md is generated from this registry by scripts/gen_docs_ref.py).
 
 One ServerMetrics per app, on its own CollectorRegistry, so apps (and tests) never share
 series. Engine numbers are pushed, not pulled: the engine publishes one immutable EngineStats

@@ -1,4 +1,4 @@
-"""The layer rules of the README's layout, one per folder, and a checker for them.
+"""The layer rules of the layout (docs/architecture.md), one per folder, and a checker for them.
 
 A rule names a folder (every .py file under it, found by walking it) or one file, and what
 its modules may import. A module that moves is checked where it lands; a rule whose folder

@@ -1,4 +1,4 @@
-"""Import boundaries (the README's layout): the rules of tests/boundary_rules.py hold on the
+"""Import boundaries (docs/architecture.md): the rules of tests/boundary_rules.py hold on the
 repository, per folder, statically and in fresh interpreters; and the checker fails on a copy
 of the layers with a bad import added.
 """

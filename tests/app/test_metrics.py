@@ -1,4 +1,4 @@
-"""/metrics: every metric the README lists, engine numbers refreshed at scrape time."""
+"""/metrics: every metric the docs list, engine numbers refreshed at scrape time."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def labelled_samples(text: str) -> set[tuple[str, frozenset[tuple[str, str]]]]:
 
 
 async def test_every_metric_the_examples_name_is_exported(client, engine: FakeEngine) -> None:
-    """Acceptance: the endpoint picker's config and flags, the dashboard and the README name only
+    """Acceptance: the endpoint picker's config and flags, the dashboard and the docs name only
     series the app exports (tests/deploy/referenced_metrics.py reads them)."""
     engine.publish(EngineStats(num_running=1, num_waiting=1, num_total_blocks=8, num_free_blocks=8))
     text = (await client.get("/metrics")).text
@@ -145,7 +145,7 @@ async def test_every_metric_the_examples_name_is_exported(client, engine: FakeEn
     samples = labelled_samples(text)
     refs = referenced_metrics()
     sources = {ref.source.split(" [")[0].split(":")[0] for ref in refs}
-    assert {"dashboard", "README metrics table", "README More than one replica"} <= sources
+    assert {"dashboard", "docs metrics table", "docs More than one replica"} <= sources
     assert any(ref.source.startswith("epp-config.yaml") for ref in refs)
     assert any("flag" in ref.source for ref in refs)
     missing = [ref for ref in refs if ref.name not in families]

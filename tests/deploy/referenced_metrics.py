@@ -1,8 +1,9 @@
 """The kvshare metrics that files outside the code name, each with where it was named.
 
 Read from the endpoint picker's config and its legacy flags (deploy/k8s/gateway/), the Grafana
-dashboard and README.md's metric sections. tests/app/test_metrics.py scrapes the app and asserts
-every one is exported; tests/deploy/test_gateway.py checks the picker's specs by shape.
+dashboard and the docs' metric sections (docs/metrics.md, docs/deployment.md).
+tests/app/test_metrics.py scrapes the app and asserts every one is exported;
+tests/deploy/test_gateway.py checks the picker's specs by shape.
 
     for ref in referenced_metrics():
         ...  # ref.name: a family as its TYPE line names it; ref.labels: pairs a sample must carry
@@ -20,7 +21,8 @@ from tests.deploy.promql import dashboard_expressions, metric_names
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GATEWAY_DIR = REPO_ROOT / "deploy" / "k8s" / "gateway"
-README = REPO_ROOT / "README.md"
+METRICS_PAGE = REPO_ROOT / "docs" / "metrics.md"
+DEPLOYMENT_PAGE = REPO_ROOT / "docs" / "deployment.md"
 PICKER_ENGINE = "kvshare"  # the engineConfigs entry that describes kvshare pods
 
 # PromQL instant-vector selector, as the picker parses a spec: name{label="value",...}.
@@ -85,10 +87,10 @@ def dashboard_refs() -> list[MetricRef]:
     ]
 
 
-def readme_section(title: str, text: str | None = None) -> str:
-    """The body of the README section with this heading, up to the next heading of its level or
-    above (a `#` line inside a fenced code block is a shell comment, not a heading)."""
-    lines = (README.read_text() if text is None else text).splitlines(keepends=True)
+def doc_section(path: Path, title: str, text: str | None = None) -> str:
+    """The body of the section of a Markdown page with this heading, up to the next heading of
+    its level or above (a `#` line inside a fenced code block is a shell comment, not a heading)."""
+    lines = (path.read_text() if text is None else text).splitlines(keepends=True)
     heading = re.compile(r"^(#+) (.*)$")
     body, level, in_code = [], 0, False
     for line in lines:
@@ -101,11 +103,11 @@ def readme_section(title: str, text: str | None = None) -> str:
         elif match and match[2].strip() == title:
             level = len(match[1])
     if not level:
-        raise ValueError(f"README.md has no section {title!r}")
+        raise ValueError(f"{path.name} has no section {title!r}")
     return "".join(body)
 
 
-def readme_table_names(section: str) -> list[str]:
+def doc_table_names(section: str) -> list[str]:
     """Backticked names in the first cell of each table row; the section says `kvshare_` once."""
     names = []
     for row in re.findall(r"^\| *([^|]+?) *\|", section, re.MULTILINE):
@@ -114,14 +116,14 @@ def readme_table_names(section: str) -> list[str]:
     return names
 
 
-def readme_refs() -> list[MetricRef]:
-    meaning = readme_section("What the metrics mean")
-    refs = [MetricRef("README metrics table", name) for name in readme_table_names(meaning)]
-    replicas = readme_section("More than one replica")
+def docs_refs() -> list[MetricRef]:
+    meaning = doc_section(METRICS_PAGE, "What the metrics mean")
+    refs = [MetricRef("docs metrics table", name) for name in doc_table_names(meaning)]
+    replicas = doc_section(DEPLOYMENT_PAGE, "More than one replica")
     for spec in re.findall(r"`(kvshare_\w+(?:\{[^}`]*\})?)`", replicas):
-        refs.append(parse_selector(spec, "README More than one replica"))
+        refs.append(parse_selector(spec, "docs More than one replica"))
     return refs
 
 
 def referenced_metrics() -> list[MetricRef]:
-    return picker_refs() + dashboard_refs() + readme_refs()
+    return picker_refs() + dashboard_refs() + docs_refs()

@@ -184,10 +184,9 @@ def test_docker_run_stop_timeout_covers_the_drain():
     """Docker's default 10 s would SIGKILL a drain of 30 s: every command shown says more."""
     for path in (*DOCKERFILES, DEPLOY_README):
         assert _stop_timeouts(path.read_text()), f"{path.name} shows no --stop-timeout"
-    readme = (REPO_ROOT / "README.md").read_text()
-    for path, text in [(p.name, p.read_text()) for p in (*DOCKERFILES, DEPLOY_README)] + [
-        ("README.md", readme)
-    ]:
+    pages = [REPO_ROOT / "README.md", REPO_ROOT / "docs" / "deployment.md"]
+    assert _stop_timeouts(pages[1].read_text()), "docs/deployment.md shows no --stop-timeout"
+    for path, text in [(p.name, p.read_text()) for p in (*DOCKERFILES, DEPLOY_README, *pages)]:
         for seconds in _stop_timeouts(text):
             assert seconds >= GRACE_S + EXIT_MARGIN_S, f"{path}: --stop-timeout {seconds}"
 

@@ -1,6 +1,6 @@
 """deploy/grafana and the PromQL they share with the alert rules: the generated dashboard is up
 to date, and every metric the dashboard, the rules and the autoscaler read is one that
-the README lists as exported by kvshare. (The metrics integration test checks the same
+the docs list as exported by kvshare. (The metrics integration test checks the same
 expressions against a live /metrics through a real Prometheus.)"""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 GRAFANA_DIR = REPO_ROOT / "deploy" / "grafana"
 ADAPTER_VALUES = REPO_ROOT / "deploy" / "k8s" / "prometheus-adapter" / "values.yaml"
 
-# The README's metrics list: every metric kvshare must export, with its type.
+# The docs' metrics list (docs/metrics.md): every metric kvshare must export, with its type.
 REQUIRED_METRICS = {
     "kvshare_prefix_cache_queries_total": "counter",
     "kvshare_prefix_cache_hits_total": "counter",
@@ -41,7 +41,7 @@ REQUIRED_METRICS = {
     "kvshare_kv_cow_copies_total": "counter",
     "kvshare_kv_evictions_total": "counter",
     "kvshare_kv_blocks_leaked": "gauge",
-    "kvshare_kv_usage_ratio": "gauge",  # for routers: README "More than one replica"
+    "kvshare_kv_usage_ratio": "gauge",  # for routers: docs/deployment.md "More than one replica"
     "kvshare_cache_config_info": "gauge",
     "kvshare_requests": "gauge",
     "kvshare_requests_total": "counter",
@@ -55,7 +55,7 @@ REQUIRED_METRICS = {
     "kvshare_step_duration_seconds": "histogram",
     "kvshare_batch_size": "histogram",
 }
-# Label values the expressions may match on (the README and engine/core/protocol.py FinishReason).
+# Label values the expressions may match on (docs/metrics.md, FinishReason).
 LABEL_VALUES = {
     "state": {"free", "private", "shared", "cached", "running", "waiting"},
     "kind": {"corruption", "drift"},
