@@ -60,6 +60,10 @@ BUCKETS = ("projections", "attention", "elementwise", "LM head", "sampling", "sc
 HOOKS = (
     ("engine.runtime.cpu.linear", "PackedLinear.forward", "projections"),
     ("torch.nn", "Linear.forward", "projections"),
+    # Newer trees: GGUF blocks computed as stored (quantization native / q8_0), fp16 on fbgemm.
+    ("engine.runtime.cpu.block_linear", "BlockLinear.forward", "projections"),
+    ("engine.runtime.cpu.quant", "Fp16Linear.forward", "projections"),
+    ("engine.runtime.cpu.block_linear", "BlockEmbedding.forward", "elementwise"),
     ("engine.runtime.models.llama", "RMSNorm.forward", "elementwise"),
     ("engine.runtime.models.llama", "LlamaAttention._rope", "elementwise"),
     ("engine.runtime.models.llama", "RotaryEmbedding.lookup", "elementwise"),

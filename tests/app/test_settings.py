@@ -86,7 +86,7 @@ def test_a_choice_named_none_is_that_choice_not_unset() -> None:
     """`quantization: none` is a mode (the exact one): from a flag or env it stays "none",
     where other keys read none as "not set"."""
     served = load_settings("config/cpu.yaml", {})
-    assert served.engine.quantization == "fp16"
+    assert served.engine.quantization == "native"
     from_env = load_settings("config/cpu.yaml", {"KVSHARE_QUANTIZATION": "none"})
     from_flag = load_settings("config/cpu.yaml", {}, flag_overrides(
         build_parser().parse_args(["serve", "--quantization", "none"])))  # fmt: skip

@@ -44,17 +44,24 @@ inline vbyte load_bytes(const uint8_t* p) {
   return v;
 }
 
-// Bytes to floats through int32: GCC 12 vectorizes each step, but not the direct conversion.
-inline vfloat to_float(vbyte v) {
-  return __builtin_convertvector(__builtin_convertvector(v, vint), vfloat);
+// Bytes to floats through an int32 array: GCC 12 vectorizes this loop (vpmovzxbd/vpmovsxbd,
+// vcvtdq2ps) but lowers a direct __builtin_convertvector of a byte vector lane by lane.
+template <typename Byte>
+inline vfloat widen(const Byte* bytes) {
+  int32_t wide[kLanes];
+  for (int i = 0; i < kLanes; ++i) wide[i] = bytes[i];
+  vint v;
+  std::memcpy(&v, wide, sizeof(v));
+  return __builtin_convertvector(v, vfloat);
 }
 
-// int8 codes: widened as unsigned, then sign-extended in int32 (GCC 12 does not vectorize a
-// signed byte conversion).
-inline vfloat to_float_signed(const uint8_t* p) {
-  const vint widened = __builtin_convertvector(load_bytes(p), vint);
-  return __builtin_convertvector((widened ^ 128) - 128, vfloat);
+inline vfloat to_float(vbyte v) {
+  uint8_t bytes[kLanes];
+  std::memcpy(bytes, &v, sizeof(bytes));
+  return widen(bytes);
 }
+
+inline vfloat to_float_signed(const uint8_t* p) { return widen(reinterpret_cast<const int8_t*>(p)); }
 
 // An fp16 scale (F16C's vcvtph2ps from x86-64-v3 on, libgcc's conversion below it).
 inline float half(const uint8_t* p) {
@@ -154,51 +161,80 @@ struct Q6_K {
   }
 };
 
-constexpr int kCols = 4;      // output columns per tile: independent accumulator chains
+// Output columns per tile: independent accumulator chains, all of them in registers (32
+// vector registers with AVX-512; half as many, each half as wide, below it).
+#ifdef __AVX512F__
+constexpr int kCols = 4;
+#else
+constexpr int kCols = 2;
+#endif
 constexpr int kTileRows = 4;  // activation rows per pass over a tile's expanded groups
 
-// out[r, v] for rows r < kRows and columns v of one tile (cols <= kCols): the core of the
-// kernel. `row_bytes` is one weight row's size; x rows are K fp32 apart, out rows V apart.
-template <typename F, int kRows>
-void tile(const float* x, const uint8_t* weight, float* out, int64_t v0, int cols,
-          int in_features, int64_t out_features, int64_t row_bytes) {
-  vfloat acc[kCols][kRows] = {};
+// out[r, v0 + c] for r < kRows, c < kTileCols: the core of the kernel. Sizes known at compile
+// time keep every accumulator in a register. `row_bytes` is one weight row's size; x rows are
+// K fp32 apart, out rows V apart. Each accumulator sees the same operations in the same order
+// whatever kRows and kTileCols are: the batch-invariant order the file header describes.
+template <typename F, int kRows, int kTileCols>
+void tile(const float* x, const uint8_t* weight, float* out, int64_t v0, int in_features,
+          int64_t out_features, int64_t row_bytes) {
+  vfloat acc[kTileCols][kRows] = {};
+  const uint8_t* rows[kTileCols];
+  for (int c = 0; c < kTileCols; ++c) rows[c] = weight + (v0 + c) * row_bytes;
   const int groups = in_features / 32;
   for (int g = 0; g < groups; ++g) {
     const int64_t offset = (g / F::kGroups) * int64_t{F::kBlockBytes};
-    for (int c = 0; c < cols; ++c) {
-      const Group w = F::expand(weight + (v0 + c) * row_bytes + offset, g % F::kGroups);
+    vfloat xlo[kRows], xhi[kRows];
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      xlo[r] = load(x + r * int64_t{in_features} + 32 * g);
+      xhi[r] = load(x + r * int64_t{in_features} + 32 * g + kLanes);
+    }
+// Unrolled: accumulators indexed by constants stay in registers.
+#pragma GCC unroll 4
+    for (int c = 0; c < kTileCols; ++c) {
+      const Group w = F::expand(rows[c] + offset, g % F::kGroups);
+#pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {
-        const float* xs = x + r * int64_t{in_features} + 32 * g;
-        acc[c][r] += w.lo * load(xs);
-        acc[c][r] += w.hi * load(xs + kLanes);
+        acc[c][r] += w.lo * xlo[r];
+        acc[c][r] += w.hi * xhi[r];
       }
     }
   }
-  for (int c = 0; c < cols; ++c)
+  for (int c = 0; c < kTileCols; ++c)
     for (int r = 0; r < kRows; ++r) out[r * out_features + v0 + c] = sum(acc[c][r]);
+}
+
+template <typename F, int kTileCols>
+void tile_rows(const float* x, const uint8_t* weight, float* out, int64_t v0, int rows,
+               int in_features, int64_t out_features, int64_t row_bytes) {
+  for (int r0 = 0; r0 < rows; r0 += kTileRows) {
+    const float* xs = x + r0 * int64_t{in_features};
+    float* ys = out + r0 * out_features;
+    const int K = in_features;
+    const int64_t V = out_features;
+    switch (rows - r0 < kTileRows ? rows - r0 : kTileRows) {
+      case 1: tile<F, 1, kTileCols>(xs, weight, ys, v0, K, V, row_bytes); break;
+      case 2: tile<F, 2, kTileCols>(xs, weight, ys, v0, K, V, row_bytes); break;
+      case 3: tile<F, 3, kTileCols>(xs, weight, ys, v0, K, V, row_bytes); break;
+      default: tile<F, 4, kTileCols>(xs, weight, ys, v0, K, V, row_bytes);
+    }
+  }
 }
 
 template <typename F>
 void block_linear(const float* x, const uint8_t* weight, float* out, int rows, int in_features,
                   int64_t out_features, int num_threads) {
   const int64_t row_bytes = int64_t{in_features} / (32 * F::kGroups) * F::kBlockBytes;
-  const int64_t num_tiles = (out_features + kCols - 1) / kCols;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t t = 0; t < num_tiles; ++t) {
-    const int64_t v0 = t * kCols;
-    const int cols = out_features - v0 < kCols ? static_cast<int>(out_features - v0) : kCols;
-    for (int r0 = 0; r0 < rows; r0 += kTileRows) {
-      const float* xs = x + r0 * int64_t{in_features};
-      float* ys = out + r0 * out_features;
-      const int n = rows - r0 < kTileRows ? rows - r0 : kTileRows;
-      switch (n) {
-        case 1: tile<F, 1>(xs, weight, ys, v0, cols, in_features, out_features, row_bytes); break;
-        case 2: tile<F, 2>(xs, weight, ys, v0, cols, in_features, out_features, row_bytes); break;
-        case 3: tile<F, 3>(xs, weight, ys, v0, cols, in_features, out_features, row_bytes); break;
-        default: tile<F, 4>(xs, weight, ys, v0, cols, in_features, out_features, row_bytes);
-      }
-    }
+  const int64_t num_tiles = out_features / kCols;
+#pragma omp parallel num_threads(num_threads)
+  {
+#pragma omp for schedule(static) nowait
+    for (int64_t t = 0; t < num_tiles; ++t)
+      tile_rows<F, kCols>(x, weight, out, t * kCols, rows, in_features, out_features, row_bytes);
+    // The last out_features % kCols columns one at a time.
+#pragma omp for schedule(static)
+    for (int64_t v = num_tiles * kCols; v < out_features; ++v)
+      tile_rows<F, 1>(x, weight, out, v, rows, in_features, out_features, row_bytes);
   }
 }
 
