@@ -51,6 +51,19 @@ class CompletionOutput:
     stop_token_id: int | None = None
 
 
+# engine/kv/cache_diagnosis.py: MissReason, in the order the reasons are decided.
+CACHE_MISS_REASONS = (
+    "not_cacheable",
+    "full_hit",
+    "quarantined",
+    "evicted",
+    "below_block",
+    "other_namespace",
+    "no_earlier_prefix",
+    "diverged",
+)
+
+
 @dataclass(frozen=True)
 class CacheDiagnosis:
     """Why a request's prompt missed the prefix cache, decided at its first admission
