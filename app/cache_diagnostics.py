@@ -133,32 +133,51 @@ def first_difference_index(ids: Sequence[int], other: Sequence[int]) -> int | No
     return None if len(ids) == len(other) else min(len(ids), len(other))
 
 
+@dataclass(frozen=True)
+class RecentPrompt:
+    """One remembered prompt: its token ids and, for chat, what renders its segments."""
+
+    token_ids: list[int]
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def segments(self, tokenizer: Tokenizer) -> list[Segment]:
+        if self.messages is None:
+            return [Segment(0, "prompt")]
+        return chat_segments(tokenizer, self.messages, self.tools)
+
+
 class RecentPrompts:
-    """The prompt token ids of each tenant's most recent responses, by response id.
+    """The prompts of each tenant's most recent responses, by response id.
 
     Bounded: at most `num_per_tenant` ids per tenant and `num_tenants` tenants (least
-    recently used dropped first). Holds references to lists the requests built anyway.
+    recently used dropped first); num_per_tenant 0 keeps nothing (compare_to and the cache
+    report are then off). Holds references to what the requests built anyway.
     """
 
     def __init__(self, num_per_tenant: int = 256, num_tenants: int = 64) -> None:
         self.num_per_tenant = num_per_tenant
         self.num_tenants = num_tenants
-        self._by_tenant: OrderedDict[str, OrderedDict[str, list[int]]] = OrderedDict()
+        self._by_tenant: OrderedDict[str, OrderedDict[str, RecentPrompt]] = OrderedDict()
 
-    def remember(self, tenant: str | None, response_id: str, prompt_token_ids: list[int]):
+    def remember(self, tenant: str | None, response_id: str, prompt: RecentPrompt) -> None:
         if self.num_per_tenant <= 0:
             return
         recent = self._by_tenant.setdefault(tenant or "", OrderedDict())
         self._by_tenant.move_to_end(tenant or "")
-        recent[response_id] = prompt_token_ids
+        recent[response_id] = prompt
         while len(recent) > self.num_per_tenant:
             recent.popitem(last=False)
         while len(self._by_tenant) > self.num_tenants:
             self._by_tenant.popitem(last=False)
 
+    def prompts_of(self, tenant: str | None) -> list[RecentPrompt]:
+        """The tenant's remembered prompts, oldest first."""
+        return list(self._by_tenant.get(tenant or "", {}).values())
+
     def lookup(self, tenant: str | None, response_id: str) -> list[int]:
-        """The earlier prompt; a 404 for an id this tenant never had (or that was dropped),
-        the same answer whether or not another tenant has it."""
+        """The earlier prompt's token ids; a 404 for an id this tenant never had (or that was
+        dropped), the same answer whether or not another tenant has it."""
         found = self._by_tenant.get(tenant or "", {}).get(response_id)
         if found is None:
             raise APIError(
@@ -167,7 +186,7 @@ class RecentPrompts:
                 param="cache_diagnostics.compare_to",
                 code="not_found",
             )
-        return found
+        return found.token_ids
 
 
 class DiagnosedResponse(BaseModel):

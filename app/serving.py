@@ -23,6 +23,7 @@ import anyio
 from app.cache_diagnostics import (
     DiagnosedResponse,
     DiagnosticsContext,
+    RecentPrompt,
     RecentPrompts,
     Segment,
     chat_segments,
@@ -199,7 +200,8 @@ class OpenAIServing:
         self.metrics = metrics
         self.limits = limits or RequestLimits.of(settings)
         self.created = int(time.time())
-        self.recent_prompts = RecentPrompts()  # cache_diagnostics.compare_to
+        # cache_diagnostics.compare_to and GET /debug/cache_report
+        self.recent_prompts = RecentPrompts(settings.cache_history_size)
 
     # -- request -> EngineRequest(s) ----------------------------------------------------------
 
@@ -245,7 +247,8 @@ class OpenAIServing:
         if wants_diagnostics(request.cache_diagnostics, self.settings.cache_diagnostics):
             segments = chat_segments(self.model.tokenizer, messages, tools)
             prepared.diagnostics = self._diagnostics(request, record, prompt_token_ids, segments)
-        self.recent_prompts.remember(record.tenant, response_id, prompt_token_ids)
+        recent = RecentPrompt(prompt_token_ids, messages, tools)
+        self.recent_prompts.remember(record.tenant, response_id, recent)
         return prepared
 
     def prepare_completion(self, request: CompletionRequest, record: RequestRecord) -> Prepared:
@@ -269,7 +272,7 @@ class OpenAIServing:
         if wants_diagnostics(request.cache_diagnostics, self.settings.cache_diagnostics):
             segments = [Segment(0, "prompt")]
             prepared.diagnostics = self._diagnostics(request, record, prompts[0], segments)
-        self.recent_prompts.remember(record.tenant, response_id, prompts[0])
+        self.recent_prompts.remember(record.tenant, response_id, RecentPrompt(prompts[0]))
         return prepared
 
     def _diagnostics(

@@ -9,6 +9,8 @@ cache_salt, so their order does not matter.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -128,7 +130,7 @@ def test_another_tenant_is_never_revealed(alice, bob, base_url):
     diagnostics = answer.model_extra["cache_diagnostics"]
     # Bob learns nothing: the same answer as for a prompt nobody ever sent.
     never_sent = [{"role": "user", "content": "Bobs's secret plan: build a rocket by Friday."}]
-    fresh = chat(bob, never_sent, "tenant").model_extra["cache_diagnostics"]
+    fresh = chat(bob, never_sent, "tenant-fresh").model_extra["cache_diagnostics"]
     assert diagnostics["reason"] == fresh["reason"] == "no_earlier_prefix"
     assert diagnostics["matched_tokens"] == fresh["matched_tokens"] == 0
     after = scrape(base_url)['kvshare_prefix_cache_miss_tokens_total{reason="other_namespace"}']
@@ -185,3 +187,24 @@ def test_the_drill_points_at_the_timestamp(alice):
     assert example["reason"] == "diverged"
     assert example["segment"]["kind"] == "system"
     assert "20:41:0" in example["text_before"] + example["text_at"]
+
+
+def test_the_tenant_report_finds_the_timestamp(bob, base_url):
+    before = run_phase(bob, 8, dynamic_first=True, salt="report")
+    point = before["examples"][0]["first_miss_index"]
+    headers = {"Authorization": f"Bearer {KEY_B}"}
+    report = httpx.get(f"{base_url}/debug/cache_report", headers=headers, timeout=30).json()
+    (finding,) = report["findings"]
+    assert finding["from_token"] == point
+    assert finding["segment"]["kind"] == "system"
+    assert finding["message"].startswith("the system prompt carries per-request content at tok")
+    printed = subprocess.run(
+        [sys.executable, "-m", "app.cli", "cache-report", base_url, "--api-key", KEY_B],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert f"finding: {finding['message']}" in printed
+    refused = httpx.get(f"{base_url}/debug/cache_report", timeout=30)
+    assert refused.status_code == 401  # keyed like the other debug routes
