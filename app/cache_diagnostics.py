@@ -80,6 +80,17 @@ class DiagnosticsContext:
     segments: list[Segment]
     compared_token_ids: list[int] | None = None  # the compare_to prompt
     compare_to: str | None = None
+    template_rewrites_history: bool = False  # the chat template is not append-only
+
+    def _history_rewrite(self, segment: Segment) -> int | None:
+        """The first assistant message of this request, if the miss lies at or after it and
+        the template rewrites history; else None."""
+        if not self.template_rewrites_history or segment.message_index is None:
+            return None
+        answers = [s.message_index for s in self.segments if s.role == "assistant"]
+        if answers and segment.message_index >= answers[0]:
+            return answers[0]
+        return None
 
     def point(self, tokenizer: Tokenizer, index: int | None) -> dict[str, Any]:
         """Where token `index` of this prompt lies, with this prompt's text around it."""
@@ -111,6 +122,11 @@ class DiagnosticsContext:
             "reason": reason,
             **self.point(tokenizer, diagnosis.first_miss_index),
         }
+        if diagnosis.first_miss_index is not None and reason == "diverged":
+            rewritten = self._history_rewrite(segment_at(self.segments, diagnosis.first_miss_index))
+            if rewritten is not None:
+                out["reason"] = "template_rewrites_history"
+                out["rewritten_message_index"] = rewritten
         if self.compared_token_ids is not None:
             out["compare_to"] = self._comparison(tokenizer)
         return out

@@ -17,6 +17,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     GCCollector,
     Histogram,
     PlatformCollector,
@@ -132,6 +133,12 @@ class ServerMetrics:
         )
         self.batch_size = histogram(
             "kvshare_batch_size", "Sequences per engine step.", _BATCH_BUCKETS
+        )
+        self.chat_template_append_only = Gauge(
+            "kvshare_chat_template_append_only",
+            "1 when the chat template renders each turn as an extension of the previous one "
+            "(checked at start); 0: it rewrites history and multi-turn chats miss the cache.",
+            registry=self.registry,
         )
         self.cache_divergence = Counter(
             "kvshare_prefix_cache_divergence",

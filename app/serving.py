@@ -45,6 +45,7 @@ from app.request_models import ChatCompletionRequest, CompletionRequest
 from app.response_models import ChatCompletionResponse, CompletionResponse, Usage
 from app.settings import ServerSettings
 from app.streaming import merge
+from app.template_check import check_chat_template
 from engine.core.errors import KVShareError
 from engine.core.protocol import (
     CacheDiagnosis,
@@ -202,6 +203,7 @@ class OpenAIServing:
         self.created = int(time.time())
         # cache_diagnostics.compare_to and GET /debug/cache_report
         self.recent_prompts = RecentPrompts(settings.cache_history_size)
+        self.template_rewrites_at = check_chat_template(model.tokenizer, metrics)
 
     # -- request -> EngineRequest(s) ----------------------------------------------------------
 
@@ -247,6 +249,7 @@ class OpenAIServing:
         if wants_diagnostics(request.cache_diagnostics, self.settings.cache_diagnostics):
             segments = chat_segments(self.model.tokenizer, messages, tools)
             prepared.diagnostics = self._diagnostics(request, record, prompt_token_ids, segments)
+            prepared.diagnostics.template_rewrites_history = self.template_rewrites_at is not None
         recent = RecentPrompt(prompt_token_ids, messages, tools)
         self.recent_prompts.remember(record.tenant, response_id, recent)
         return prepared

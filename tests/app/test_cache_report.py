@@ -21,7 +21,7 @@ SEGMENTS = [Segment(0, "system", 0, "system"), Segment(60, "message", 1, "user")
 
 
 def dynamic_first(n: int) -> list[int]:
-    return HEADER + [500 + n, 600 + n, 700 + n] + STATIC + [9, 9]
+    return [*HEADER, 500 + n, 600 + n, 700 + n, *STATIC, 9, 9]
 
 
 def test_per_request_content_before_static_content_is_found() -> None:
@@ -38,7 +38,7 @@ def test_per_request_content_before_static_content_is_found() -> None:
 
 
 def test_static_content_first_has_no_finding() -> None:
-    prompts = [HEADER + STATIC + [500 + n, 600 + n] for n in range(6)]
+    prompts = [[*HEADER, *STATIC, 500 + n, 600 + n] for n in range(6)]
     report = build_report(prompts, SEGMENTS, StubTokenizer(), block_size=4)
     assert report["divergence_offsets"] == [{"from_token": 44, "to_token": 47, "prompts": 5}]
     assert report["findings"] == []  # they never agree again after the divergence
