@@ -4,9 +4,9 @@ A multi-turn chat shares its history with the prefix cache only if the template 
 turn as an extension of the previous one. This renders a short synthetic conversation turn by
 turn and checks that each turn's prompt starts with the previous turn's prompt plus its answer
 as generated (what the prefix cache holds after that turn). A template that strips reasoning
-from earlier answers, moves the tools or re-dates the system prompt fails, and the index of the first message whose
-rendering changed is reported (the log at start, a gauge, and the diagnostics of requests
-with history: reason template_rewrites_history).
+from earlier answers, moves the tools or re-dates the system prompt fails, and the index of
+the first message whose rendering changed is reported (the log at start, a gauge, and the
+diagnostics of requests with history: reason template_rewrites_history).
 """
 
 from __future__ import annotations
