@@ -109,8 +109,11 @@ class DiagnosticsContext:
         """The response's cache_diagnostics. With tenants (API keys), `other_namespace` is
         answered as `no_earlier_prefix`: whether another tenant holds a prompt is that
         tenant's secret (the metric still counts the true reason, for the operator)."""
-        if diagnosis is None:  # the request never reached admission
-            return {"prompt_tokens": len(self.prompt_token_ids), "reason": None}
+        if diagnosis is None:  # the engine gave none (a fake engine, an early error)
+            out = {"prompt_tokens": len(self.prompt_token_ids), "reason": None}
+            if self.compared_token_ids is not None:
+                out["compare_to"] = self._comparison(tokenizer)
+            return out
         reason = diagnosis.reason
         if has_tenants and reason == "other_namespace":
             reason = "no_earlier_prefix"

@@ -128,13 +128,13 @@ def test_another_tenant_is_never_revealed(alice, bob, base_url):
     chat(alice, messages, "tenant")
     answer = chat(bob, messages, "tenant")
     diagnostics = answer.model_extra["cache_diagnostics"]
+    after = scrape(base_url)['kvshare_prefix_cache_miss_tokens_total{reason="other_namespace"}']
+    assert after - before == answer.usage.prompt_tokens  # the operator's metric knows
     # Bob learns nothing: the same answer as for a prompt nobody ever sent.
     never_sent = [{"role": "user", "content": "Bobs's secret plan: build a rocket by Friday."}]
     fresh = chat(bob, never_sent, "tenant-fresh").model_extra["cache_diagnostics"]
     assert diagnostics["reason"] == fresh["reason"] == "no_earlier_prefix"
     assert diagnostics["matched_tokens"] == fresh["matched_tokens"] == 0
-    after = scrape(base_url)['kvshare_prefix_cache_miss_tokens_total{reason="other_namespace"}']
-    assert after - before == answer.usage.prompt_tokens  # the operator's metric knows
 
 
 def test_compare_to_finds_the_first_difference_of_the_tenants_own_prompts(alice, bob):
