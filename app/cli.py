@@ -1,4 +1,4 @@
-"""`kvshare serve | generate | estimate | healthcheck | build-kernels`.
+"""`kvshare serve | generate | estimate | healthcheck | build-kernels | cache-report`.
 
 Heavy imports (torch, the engine runtime) happen inside the subcommand that needs them,
 so `kvshare --help`, `kvshare healthcheck` and the app modules stay light.
@@ -68,7 +68,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--levels", default="avx512,avx2,baseline", help="comma-separated, best first"
     )
     kernels.set_defaults(handler=_build_kernels)
+    report = commands.add_parser(
+        "cache-report",
+        help="where a tenant's recent prompts diverge (GET /debug/cache_report), in words",
+        description="Print the server's cache report for the tenant of the API key "
+        "(docs/cache-diagnostics.md).",
+    )
+    report.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8000")
+    report.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    report.add_argument("--json", action="store_true", help="print the report's JSON")
+    report.set_defaults(handler=_cache_report)
     return parser
+
+
+def _cache_report(args: argparse.Namespace) -> int:
+    from urllib.error import HTTPError, URLError
+
+    from app.cache_report import fetch_report, format_report
+
+    try:
+        report = fetch_report(args.url, args.api_key)
+    except (HTTPError, URLError, OSError) as exc:
+        print(f"kvshare cache-report: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
 
 
 def _build_kernels(args: argparse.Namespace) -> int:

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
+    Counter,
+    Gauge,
     GCCollector,
     Histogram,
     PlatformCollector,
@@ -26,7 +28,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.core.protocol import EngineStats
+from engine.core.protocol import CACHE_MISS_REASONS, EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -85,6 +87,7 @@ _ENGINE_GAUGES = (
     ("kvshare_kv_blocks_leaked", "Blocks the accounting cannot attribute (must stay 0).",
      "num_leaked_blocks"),
 )  # fmt: skip
+_SEGMENT_LABELS = ("system", "user", "assistant", "tool", "message", "generation_prompt", "prompt")
 _BLOCK_STATES = (
     ("free", "num_free_blocks"),
     ("private", "num_private_blocks"),
@@ -132,6 +135,19 @@ class ServerMetrics:
         self.batch_size = histogram(
             "kvshare_batch_size", "Sequences per engine step.", _BATCH_BUCKETS
         )
+        self.chat_template_append_only = Gauge(
+            "kvshare_chat_template_append_only",
+            "1 when the chat template renders each turn as an extension of the previous one "
+            "(checked at start); 0: it rewrites history and multi-turn chats miss the cache.",
+            registry=self.registry,
+        )
+        self.cache_divergence = Counter(
+            "kvshare_prefix_cache_divergence",
+            "Diagnosed requests (cache_diagnostics) by the segment of their first prompt token "
+            "not served from the prefix cache: system, a message role, generation_prompt, prompt.",
+            ["segment"],
+            registry=self.registry,
+        )
         self.grammar_compile = histogram(
             "kvshare_grammar_compile_seconds",
             "Seconds to compile a structured-output grammar (cache misses only).",
@@ -150,6 +166,13 @@ class ServerMetrics:
         )
 
     # -- observed by the app ----------------------------------------------------------------
+
+    def observe_cache_divergence(self, segment: dict | None) -> None:
+        """A diagnosed request's first unmatched token fell in `segment` (None: full hit)."""
+        if segment is None:
+            return
+        name = segment.get("role") if segment["kind"] == "message" else segment["kind"]
+        self.cache_divergence.labels(name if name in _SEGMENT_LABELS else "message").inc()
 
     def observe_request(self, finish_reason: str, duration_s: float) -> None:
         """One request ended: stop | length (any choice cut by max_tokens) | abort | error."""
@@ -205,6 +228,16 @@ class _SnapshotCollector(Collector):
 def _engine_counters(stats: EngineStats) -> Iterator[Metric]:
     for name, doc, field in _ENGINE_COUNTERS:
         yield CounterMetricFamily(name, doc, value=getattr(stats, field))
+    misses = CounterMetricFamily(
+        "kvshare_prefix_cache_miss_tokens",
+        "Prompt tokens not served from the prefix cache, by the reason of their request's miss "
+        "(docs/cache-diagnostics.md); they sum to prompt tokens minus cached tokens.",
+        labels=["reason"],
+    )
+    by_reason = dict.fromkeys(CACHE_MISS_REASONS, 0) | dict(stats.prefix_cache_miss_tokens)
+    for reason, num_tokens in by_reason.items():
+        misses.add_metric([reason], num_tokens)
+    yield misses
     yield _by_kind(
         "kvshare_cache_audit_mismatches",
         "Audits whose recomputed KV differed: corruption (wrong data) or drift (numerics).",

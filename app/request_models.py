@@ -51,6 +51,10 @@ _NO_OP_FIELDS: dict[str, tuple[Any, str]] = {
 }
 
 
+class CacheDiagnosticsOptions(RequestModel):
+    compare_to: str | None = None  # the id of an earlier completion of the same tenant
+
+
 class _SamplingRequest(RequestModel):
     """The fields chat and completions share; None (or null) means "use the default"."""
 
@@ -77,6 +81,9 @@ class _SamplingRequest(RequestModel):
     ignore_eos: bool | None = False
     stop_token_ids: list[TokenId] | None = None
     cache_salt: str | None = None
+    # true, or {"compare_to": ID}: the response says why the prompt missed the prefix cache
+    # (docs/cache-diagnostics.md).
+    cache_diagnostics: bool | CacheDiagnosticsOptions | None = None
     skip_special_tokens: bool | None = True  # false: special tokens stay in the text
     no_stop_trim: bool | None = False  # SGLang's name: keep the matched stop in the text
     include_stop_str_in_output: bool | None = False  # vLLM's name for the same

@@ -20,6 +20,16 @@ from typing import Any
 
 import anyio
 
+from app.cache_diagnostics import (
+    DiagnosedResponse,
+    DiagnosticsContext,
+    RecentPrompt,
+    RecentPrompts,
+    Segment,
+    chat_segments,
+    make_context,
+    wants_diagnostics,
+)
 from app.errors import APIError, EngineError, api_error
 from app.formatting import (
     ChatFormatter,
@@ -35,8 +45,10 @@ from app.request_models import ChatCompletionRequest, CompletionRequest
 from app.response_models import ChatCompletionResponse, CompletionResponse, Usage
 from app.settings import ServerSettings
 from app.streaming import merge
+from app.template_check import check_chat_template
 from engine.core.errors import KVShareError
 from engine.core.protocol import (
+    CacheDiagnosis,
     CompletionOutput,
     EngineClient,
     EngineRequest,
@@ -62,6 +74,7 @@ class RequestRecord:
     finish_reason: str | None = None
     prompt: str | None = None  # kept only with log_prompts
     tenant: str | None = None  # set from the API key when keys are configured
+    cache_diagnosis: CacheDiagnosis | None = None  # the first prompt's, from the engine
 
     def usage(self) -> Usage:
         return Usage.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
@@ -103,6 +116,7 @@ class Prepared:
     skip_special_tokens: bool = True
     keep_stop: bool = False  # no_stop_trim: the matched stop stays in the text
     arrival: float = field(default_factory=time.monotonic)
+    diagnostics: DiagnosticsContext | None = None  # asked for cache_diagnostics
 
     @classmethod
     def of(
@@ -187,6 +201,9 @@ class OpenAIServing:
         self.metrics = metrics
         self.limits = limits or RequestLimits.of(settings)
         self.created = int(time.time())
+        # cache_diagnostics.compare_to and GET /debug/cache_report
+        self.recent_prompts = RecentPrompts(settings.cache_history_size)
+        self.template_rewrites_at = check_chat_template(model.tokenizer, metrics)
 
     # -- request -> EngineRequest(s) ----------------------------------------------------------
 
@@ -228,7 +245,14 @@ class OpenAIServing:
             **self._formatter_fields(response_id, bool(request.logprobs)),
             tool_calls=ToolCallMode.of(tool_mode),
         )
-        return Prepared.of(formatter, engine_requests, request)
+        prepared = Prepared.of(formatter, engine_requests, request)
+        if wants_diagnostics(request.cache_diagnostics, self.settings.cache_diagnostics):
+            segments = chat_segments(self.model.tokenizer, messages, tools)
+            prepared.diagnostics = self._diagnostics(request, record, prompt_token_ids, segments)
+            prepared.diagnostics.template_rewrites_history = self.template_rewrites_at is not None
+        recent = RecentPrompt(prompt_token_ids, messages, tools)
+        self.recent_prompts.remember(record.tenant, response_id, recent)
+        return prepared
 
     def prepare_completion(self, request: CompletionRequest, record: RequestRecord) -> Prepared:
         """Tokenize and validate each prompt; one EngineRequest per prompt (blocking)."""
@@ -247,7 +271,32 @@ class OpenAIServing:
             echo_prompts=echoes if request.echo else None,
             n=engine_requests[0].sampling_params.n,
         )
-        return Prepared.of(formatter, engine_requests, request)
+        prepared = Prepared.of(formatter, engine_requests, request)
+        if wants_diagnostics(request.cache_diagnostics, self.settings.cache_diagnostics):
+            segments = [Segment(0, "prompt")]
+            prepared.diagnostics = self._diagnostics(request, record, prompts[0], segments)
+        self.recent_prompts.remember(record.tenant, response_id, RecentPrompt(prompts[0]))
+        return prepared
+
+    def _diagnostics(
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        record: RequestRecord,
+        prompt_token_ids: list[int],
+        segments: list[Segment],
+    ) -> DiagnosticsContext:
+        option = request.cache_diagnostics
+        return make_context(option, self.recent_prompts, record.tenant, prompt_token_ids, segments)
+
+    def _diagnostics_json(self, prepared: Prepared, record: RequestRecord) -> dict | None:
+        if prepared.diagnostics is None:
+            return None
+        has_tenants = bool(self.settings.api_keys)
+        out = prepared.diagnostics.to_json(
+            record.cache_diagnosis, self.model.tokenizer, has_tenants
+        )
+        self.metrics.observe_cache_divergence(out.get("segment"))
+        return out
 
     def _formatter_fields(self, response_id: str, want_logprobs: bool) -> dict[str, Any]:
         return {
@@ -385,6 +434,8 @@ class OpenAIServing:
                 if output.error is not None:
                     raise EngineError(f"The engine failed this request: {output.error}")
                 record.cached_tokens = max(record.cached_tokens, output.num_cached_tokens)
+                if base_index == 0 and record.cache_diagnosis is None:
+                    record.cache_diagnosis = output.cache_diagnosis
                 last_token_at = self._observe_timing(prepared, output, last_token_at, record)
                 for completion in output.outputs:
                     choice = choices[completion.index]
@@ -452,7 +503,9 @@ class OpenAIServing:
     ) -> ChatCompletionResponse | CompletionResponse:
         """The whole response at once (non-streaming)."""
         deltas = [delta async for delta in self.run(prepared, record)]
-        return prepared.formatter.response(prepared.num_choices, deltas, record.usage())
+        response = prepared.formatter.response(prepared.num_choices, deltas, record.usage())
+        diagnostics = self._diagnostics_json(prepared, record)
+        return response if diagnostics is None else DiagnosedResponse.of(response, diagnostics)
 
     async def stream(self, prepared: Prepared, record: RequestRecord) -> AsyncIterator[dict]:
         """Chunks as JSON-ready dicts; the usage chunk last when include_usage is set."""
@@ -463,8 +516,10 @@ class OpenAIServing:
             async for delta in deltas:
                 for chunk in formatter.chunks(delta):
                     yield formatter.dump_chunk(chunk, prepared.include_usage)
+        diagnostics = self._diagnostics_json(prepared, record)
         if prepared.include_usage:
-            yield formatter.dump_chunk(formatter.usage_chunk(record.usage()), True)
+            chunk = formatter.dump_chunk(formatter.usage_chunk(record.usage()), True)
+            yield chunk if diagnostics is None else {**chunk, "cache_diagnostics": diagnostics}
 
 
 def _is_ids(prompt: object) -> bool:

@@ -9,6 +9,10 @@ EngineNotReady) become statuses through app/errors.py's ENGINE_ERRORS.
 /debug/kv_blocks is the reference a KV event subscriber can check its rebuilt set against
 (engine/kv_event_publisher.py); a server without kv_events_endpoint answers 404 with an OpenAI
 error body. It is read-only, and keyed like /debug/faults.
+
+GET /debug/cache_report: where the calling tenant's recent prompts diverge from each other,
+with a plain-language finding (docs/cache-diagnostics.md); keyed like the others, and only
+ever about the caller's own tenant. 404 when server.cache_history_size is 0.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+import anyio
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.cache_report import build_report
 from app.errors import APIError
-from app.routes.deps import State
+from app.routes.deps import ReadyServing, Record, State
 from engine.core.errors import FaultInjectionDisabled
 from engine.core.protocol import FAULT_KINDS
 
@@ -76,3 +82,20 @@ def require_kv_events(state: State) -> None:
 async def list_kv_blocks(state: State) -> KVBlocksResponse:
     state.ready_serving()  # 503 while loading or draining
     return KVBlocksResponse(block_hashes=await state.engine.kv_block_hashes())
+
+
+def require_cache_history(state: State) -> None:
+    if state.settings.server.cache_history_size == 0:
+        message = "The cache report is off; set server.cache_history_size above 0."
+        raise APIError(404, message, code="cache_report_disabled")
+
+
+@router.get("/debug/cache_report", dependencies=[Depends(require_cache_history)])
+async def cache_report(serving: ReadyServing, record: Record) -> dict:
+    """Where the caller's (tenant's) recent prompts diverge; see app/cache_report.py."""
+    prompts = serving.recent_prompts.prompts_of(record.tenant)
+    tokenizer = serving.model.tokenizer
+    segments = prompts[-1].segments(tokenizer) if prompts else []
+    block_size = serving.engine.stats().block_size
+    ids = [prompt.token_ids for prompt in prompts]
+    return await anyio.to_thread.run_sync(build_report, ids, segments, tokenizer, block_size)

@@ -86,6 +86,8 @@ def cache_panels() -> list[dict]:
     audits = sum_rate("kvshare_cache_audits_total")
     corruption = sum_rate("kvshare_cache_audit_mismatches_total", 'kind="corruption"')
     drift = sum_rate("kvshare_cache_audit_mismatches_total", 'kind="drift"')
+    misses = f"sum by (reason) ({rate('kvshare_prefix_cache_miss_tokens_total')})"
+    segments = f"sum by (segment) ({rate('kvshare_prefix_cache_divergence_total')})"
     return [
         panel("Prefix-cache hit rate", [(f"{hits} / {queries}", "hit rate")], "percentunit",
               "Prompt tokens found in the cache / prompt tokens looked up."),
@@ -95,6 +97,13 @@ def cache_panels() -> list[dict]:
         panel("Audits per second", [(audits, "audits/s")], "ops"),
         panel("Audit max |diff| p99", [(quantile(0.99, "kvshare_cache_audit_max_abs_diff"), "p99")],
               description="Largest absolute KV difference seen by the audit (numeric drift)."),
+        panel("Why prompt tokens miss", [(misses, "{{reason}}")], "short",
+              "Prompt tokens per second not served from the prefix cache, by the reason of "
+              "their request's miss (docs/cache-diagnostics.md). diverged growing while the "
+              "hit rate falls: per-request content before static content.", stacked=True),
+        panel("Where diagnosed prompts diverge", [(segments, "{{segment}}")], "short",
+              "Requests with cache_diagnostics per second, by the segment of their first "
+              "prompt token not served from the cache.", stacked=True),
         panel("Quarantined blocks (since start)",
               [(f'sum(kvshare_cache_quarantined_blocks_total{{{SEL}}})', "quarantined")],
               description="Blocks taken out of service after a failed audit."),

@@ -51,6 +51,31 @@ class CompletionOutput:
     stop_token_id: int | None = None
 
 
+# engine/kv/cache_diagnosis.py: MissReason, in the order the reasons are decided.
+CACHE_MISS_REASONS = (
+    "not_cacheable",
+    "full_hit",
+    "quarantined",
+    "evicted",
+    "below_block",
+    "other_namespace",
+    "no_earlier_prefix",
+    "diverged",
+)
+
+
+@dataclass(frozen=True)
+class CacheDiagnosis:
+    """Why a request's prompt missed the prefix cache, decided at its first admission
+    (engine/kv/cache_diagnosis.py names the reasons). Token indices are into the prompt."""
+
+    num_prompt_tokens: int
+    num_matched_tokens: int  # served from the cache (usage.prompt_tokens_details.cached_tokens)
+    block_size: int
+    first_miss_index: int | None  # the first prompt token not served; None on a full hit
+    reason: str
+
+
 @dataclass
 class RequestOutput:
     """A delta for one request. `finished` is True once every choice has a finish_reason."""
@@ -64,6 +89,9 @@ class RequestOutput:
     # sampling_params.prompt_logprobs: prompt tokens 1.. (the first has no logits before
     # it), once, in the first delta after the whole prompt was scored (with its first tokens).
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Set once the request was first admitted (every delta from then on carries it). Left out
+    # of ==: it describes the cache's state, not what the request produced.
+    cache_diagnosis: CacheDiagnosis | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -104,6 +132,8 @@ class EngineStats:
     num_evictions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # prompt tokens found
+    # Prompt tokens not served from the cache, by miss reason: ((reason, tokens), ...), sorted.
+    prefix_cache_miss_tokens: tuple[tuple[str, int], ...] = ()
     num_audits: int = 0
     num_audit_corruptions: int = 0
     num_audit_drifts: int = 0

@@ -312,6 +312,7 @@ class Scheduler:
             return
         seq.was_admitted = True
         seq.num_cached_tokens = seq.num_computed_tokens
+        seq.cache_diagnosis = self.kv_cache_manager.diagnose(seq)
         if self.kv_cache_manager.is_prefix_caching:
             self.counters.prefix_cache_queries += seq.num_prompt_tokens
             self.counters.prefix_cache_hits += seq.num_cached_tokens

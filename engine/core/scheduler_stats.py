@@ -55,6 +55,7 @@ def engine_stats(
         num_evictions=kv.num_evictions,
         prefix_cache_queries=counters.prefix_cache_queries,
         prefix_cache_hits=counters.prefix_cache_hits,
+        prefix_cache_miss_tokens=tuple(sorted(kv.miss_tokens_by_reason.items())),
         num_quarantined_blocks=kv.num_quarantined_blocks,
         num_write_violations=counters.num_write_violations,
         num_spec_draft_tokens=counters.num_spec_draft_tokens,

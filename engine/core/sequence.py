@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.core.batch import PromptLogprobsSpec, SampledToken, SampleSpec
 from engine.core.protocol import (
+    CacheDiagnosis,
     CompletionOutput,
     EngineRequest,
     FinishReason,
@@ -70,6 +71,7 @@ class Sequence:
     cache_namespace: tuple[str, str, str] = ("", "", "")
     num_cached_tokens: int = 0
     was_admitted: bool = False  # admitted at least once (num_cached_tokens is final)
+    cache_diagnosis: CacheDiagnosis | None = None  # why the prompt missed (first admission)
     arrival_step: int = 0  # the scheduler step it arrived at, for the waiting-age bound
     # sampling_params.prompt_logprobs: the logprobs of prompt tokens 1, 2, ... scored so far
     # (kept across preemptions: those positions are not scored again). None: not asked.
@@ -286,6 +288,7 @@ class Sequence:
             cache_namespace=self.cache_namespace,
             num_cached_tokens=self.num_cached_tokens,
             was_admitted=self.was_admitted,
+            cache_diagnosis=self.cache_diagnosis,
             arrival_step=self.arrival_step,
         )
 
@@ -343,6 +346,7 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             error=error,
             prompt_logprobs=self._take_prompt_logprobs(),
+            cache_diagnosis=self.sequences[0].cache_diagnosis,
         )
 
     def _take_prompt_logprobs(self) -> list[TokenLogprob] | None:

@@ -25,8 +25,17 @@ from collections.abc import Iterable
 from engine.core.batch import BlockCopy
 from engine.core.errors import KVEventsDisabled
 from engine.core.intmath import cdiv
+from engine.core.protocol import CacheDiagnosis
 from engine.core.sequence import Sequence
 from engine.kv.block_pool import BlockPool, BlockUsage
+from engine.kv.cache_diagnosis import (
+    DEFAULT_NUM_TOMBSTONES,
+    MissReason,
+    PrefixTombstones,
+    classify,
+    make_diagnosis,
+    miss_block_end,
+)
 from engine.kv.kv_events import KVEventSink
 from engine.kv.radix_cache import RadixCache
 from engine.kv.radix_node import MatchResult, Namespace, RadixNode
@@ -71,14 +80,17 @@ class KVCacheManager:
         enable_prefix_cache: bool = False,
         kv_event_sink: KVEventSink | None = None,
         max_cached_blocks_per_namespace: int | None = None,
+        num_tombstones: int = DEFAULT_NUM_TOMBSTONES,
     ) -> None:
         self.pool = block_pool
         self.block_size = block_pool.block_size
+        self.tombstones = PrefixTombstones(num_tombstones)
         self.prefix_cache = (
-            RadixCache(block_pool, kv_event_sink, max_cached_blocks_per_namespace)
+            RadixCache(block_pool, kv_event_sink, max_cached_blocks_per_namespace, self.tombstones)
             if enable_prefix_cache
             else None
         )
+        self.miss_tokens_by_reason: Counter[str] = Counter()  # prompt tokens not served
         self.num_cow_copies = 0  # copy-on-write copies, partial prefix blocks included
         self._pending_copies: list[BlockCopy] = []
         self._locked_nodes: dict[int, RadixNode] = {}  # seq_id -> node locked at admission
@@ -299,6 +311,33 @@ class KVCacheManager:
             self._adopt_tree_blocks(seq, token_ids, num_offered)
         self._num_offered_blocks[seq.seq_id] = num_full_blocks
 
+    def diagnose(self, seq: Sequence) -> CacheDiagnosis:
+        """Why seq's prompt missed the cache; call once, right after its first admission
+        (seq.num_computed_tokens is then what the cache served). Counts the prompt tokens
+        not served under the reason. Takes no references and changes no LRU order."""
+        num_prompt, num_matched = seq.num_prompt_tokens, seq.num_computed_tokens
+        num_reusable = seq.num_reusable_tokens
+        is_cacheable = self.prefix_cache is not None and seq.sampling_params.prompt_logprobs is None
+        dropped, elsewhere = None, False
+        if is_cacheable and num_matched < num_reusable:
+            dropped, elsewhere = self._dropped_or_elsewhere(seq, num_matched)
+        reason = classify(
+            num_prompt, num_reusable, num_matched, self.block_size, dropped, elsewhere, is_cacheable
+        )
+        self.miss_tokens_by_reason[reason] += num_prompt - num_matched
+        return make_diagnosis(num_prompt, num_matched, self.block_size, reason)
+
+    def _dropped_or_elsewhere(self, seq: Sequence, num_matched: int) -> tuple:
+        end = miss_block_end(num_matched, self.block_size)
+        prompt = seq.prompt_token_ids
+        dropped = None
+        if end <= len(prompt):
+            dropped = self.tombstones.reason_for(seq.cache_namespace, prompt[:end])
+        elsewhere = num_matched == 0 and self.prefix_cache.holds_first_block_elsewhere(
+            seq.cache_namespace, prompt
+        )
+        return dropped, elsewhere
+
     def take_admitted_cache_blocks(self, seq: Sequence) -> list[int]:
         """The tree blocks admit() reused for seq, in order: its shared full blocks, then the
         source of its copied partial block, if any ([] without a hit). Forgotten once taken."""
@@ -354,6 +393,7 @@ class KVCacheManager:
         for block_id in block_ids:
             if block_id in self._quarantined or block_id in newly:
                 continue
+            self._record_quarantine_tombstone(block_id)
             dropped = self.prefix_cache.invalidate(block_id) if self.prefix_cache else []
             if not dropped and self.pool.refcount(block_id) == 0:
                 continue  # neither cached nor held: nothing left to keep out
@@ -363,6 +403,13 @@ class KVCacheManager:
                     self._quarantined.add(dropped_id)
         self.num_quarantined_blocks += len(newly)
         return newly
+
+    def _record_quarantine_tombstone(self, block_id: int) -> None:
+        if self.prefix_cache is not None and self.pool.is_tree_owned(block_id):
+            cache = self.prefix_cache
+            namespace = cache.namespace_of_block(block_id)
+            prefix = cache.block_prefix_token_ids(block_id)
+            self.tombstones.record(namespace, prefix, MissReason.QUARANTINED)
 
     def is_quarantined(self, block_id: int) -> bool:
         return block_id in self._quarantined

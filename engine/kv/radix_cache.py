@@ -35,10 +35,11 @@ from collections.abc import Sequence
 
 from engine.kv import radix_integrity
 from engine.kv.block_pool import BlockPool
+from engine.kv.cache_diagnosis import MissReason, PrefixTombstones
 from engine.kv.eviction_queue import EvictionQueue
 from engine.kv.kv_events import KVEventRecorder, KVEventSink, chain_block_hashes, namespace_seed
 from engine.kv.namespace_quota import NamespaceQuota
-from engine.kv.radix_node import MatchResult, Namespace, RadixNode, preorder
+from engine.kv.radix_node import MatchResult, Namespace, RadixNode, path_token_ids, preorder
 
 
 def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -67,8 +68,10 @@ class RadixCache:
         pool: BlockPool,
         event_sink: KVEventSink | None = None,
         max_cached_blocks_per_namespace: int | None = None,
+        tombstones: PrefixTombstones | None = None,
     ) -> None:
         self.pool = pool
+        self.tombstones = tombstones  # evicted prefixes, for miss diagnosis (None: none kept)
         self.block_size = pool.block_size
         self._events = None if event_sink is None else KVEventRecorder(event_sink, self.block_size)
         self._roots: dict[Namespace, RadixNode] = {}
@@ -288,6 +291,7 @@ class RadixCache:
             if node is None:
                 break
             block_id = node.block_ids[-1]
+            self._record_tombstone(block_id, MissReason.EVICTED)
             next_candidate = self._detach(node) if len(node.block_ids) == 1 else node
             self._release_block(block_id)
             node.block_ids.pop()
@@ -298,6 +302,26 @@ class RadixCache:
         self.num_evictions += len(freed)
         self._flush_removed()
         return freed
+
+    def _record_tombstone(self, block_id: int, reason: MissReason) -> None:
+        if self.tombstones is not None:
+            prefix = self.block_prefix_token_ids(block_id)
+            self.tombstones.record(self.namespace_of_block(block_id), prefix, reason)
+
+    def namespace_of_block(self, block_id: int) -> Namespace:
+        return self._node_of_block[block_id].namespace
+
+    def block_prefix_token_ids(self, block_id: int) -> list[int]:
+        """The token ids from position 0 to the end of a block the tree holds."""
+        node = self._node_of_block[block_id]
+        return path_token_ids(node, (self._index_of_block[block_id] + 1) * self.block_size)
+
+    def holds_first_block_elsewhere(self, namespace: Namespace, token_ids: Sequence[int]) -> bool:
+        """Whether a namespace other than `namespace` caches token_ids' first full block."""
+        first = tuple(token_ids[: self.block_size])
+        if len(first) < self.block_size:
+            return False
+        return any(ns != namespace and first in root.children for ns, root in self._roots.items())
 
     def num_evictable_blocks(self) -> int:
         """How many blocks evict() would free if asked for all of them right now (kept up

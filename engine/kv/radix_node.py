@@ -73,3 +73,13 @@ def preorder(top: RadixNode) -> Iterator[RadixNode]:
         node = stack.pop()
         yield node
         stack.extend(node.children.values())
+
+
+def path_token_ids(node: RadixNode, num_edge_tokens: int) -> list[int]:
+    """The token ids from the root down to node, ending after num_edge_tokens of its edge."""
+    parts = [node.token_ids[:num_edge_tokens]]
+    above = node.parent
+    while above is not None and not above.is_root:
+        parts.append(above.token_ids)
+        above = above.parent
+    return [token for part in reversed(parts) for token in part]

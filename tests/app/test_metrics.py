@@ -48,6 +48,9 @@ REQUIRED = [
     ("kvshare_grammar_compile_failures_total", "counter"),
     ("kvshare_grammar_compile_seconds", "histogram"),
     ("kvshare_grammar_mask_seconds", "histogram"),
+    ("kvshare_prefix_cache_miss_tokens_total", "counter"),
+    ("kvshare_prefix_cache_divergence_total", "counter"),
+    ("kvshare_chat_template_append_only", "gauge"),
 ]
 
 

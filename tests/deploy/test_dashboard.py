@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from deploy.grafana import build_dashboard
+from engine.core.protocol import CACHE_MISS_REASONS
 from tests.deploy.promql import (
     alert_expressions,
     all_expressions,
@@ -54,12 +55,15 @@ REQUIRED_METRICS = {
     "kvshare_request_duration_seconds": "histogram",
     "kvshare_step_duration_seconds": "histogram",
     "kvshare_batch_size": "histogram",
+    "kvshare_prefix_cache_miss_tokens_total": "counter",  # docs/cache-diagnostics.md
+    "kvshare_prefix_cache_divergence_total": "counter",
 }
 # Label values the expressions may match on (docs/metrics.md, FinishReason).
 LABEL_VALUES = {
     "state": {"free", "private", "shared", "cached", "running", "waiting"},
     "kind": {"corruption", "drift"},
     "finish_reason": {"stop", "length", "abort", "error"},
+    "reason": set(CACHE_MISS_REASONS),
 }
 
 

@@ -74,6 +74,16 @@ def _requests(labels: dict, per_minute: dict[str, int]) -> list[dict]:
     ]
 
 
+def _prompt_tokens(labels: dict, queries: int, hits: int, diverged: int, other: int) -> list:
+    misses = "kvshare_prefix_cache_miss_tokens_total"
+    return [
+        _series("kvshare_prefix_cache_queries_total", labels, f"0+{queries}x40"),
+        _series("kvshare_prefix_cache_hits_total", labels, f"0+{hits}x40"),
+        _series(misses, {**labels, "reason": "diverged"}, f"0+{diverged}x40"),
+        _series(misses, {**labels, "reason": "no_earlier_prefix"}, f"0+{other}x40"),
+    ]
+
+
 CASES = [
     _case(
         "KvshareCacheCorruption",
@@ -115,6 +125,14 @@ CASES = [
         # a: 2 errors per 102 requests (2%); b: 1 per 1001 (0.1%).
         _requests(A, {"stop": 100, "error": 2}) + _requests(B, {"length": 1000, "error": 1}),
         {"1m": [], "10m": [_warn(A)]},
+    ),
+    _case(
+        "KvsharePromptsDivergeEarly",
+        # a: 90 of 100 prompt tokens a minute miss, 80 of them diverged (hit rate 10%).
+        # b: the same misses, but 60 of 100 tokens hit: the cache works, no alert.
+        _prompt_tokens(A, queries=100, hits=10, diverged=80, other=10)
+        + _prompt_tokens(B, queries=100, hits=60, diverged=30, other=10),
+        {"5m": [], "30m": [_warn(A)]},
     ),
     _case(
         "KvshareDown",
