@@ -92,8 +92,19 @@ class SchemaRefused(ParamError):
 
 
 def canonical_json(schema: Any) -> str:
-    """The one text of a schema: equal schemas give equal strings (the engine caches by it)."""
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    """The one text of a schema: equal schemas give equal strings (the engine compiles it and
+    caches by it). Keys are sorted, except the names under each `properties`: their order is
+    the order the grammar writes the properties in (the client's, as OpenAI keeps it)."""
+    return json.dumps(_canonical(schema), separators=(",", ":"))
+
+
+def _canonical(value: Any, keep_order: bool = False) -> Any:
+    if isinstance(value, list):
+        return [_canonical(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    keys = list(value) if keep_order else sorted(value)
+    return {key: _canonical(value[key], key == "properties" and not keep_order) for key in keys}
 
 
 def check_schema(schema: Any) -> str:

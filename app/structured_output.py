@@ -76,32 +76,81 @@ def tool_structured_output(
     """The grammar behind a tool_choice other than "none".
 
     "auto": text, where every `<tool_call>` must be completed as a valid call (kind
-    "tool_calls"). "named": exactly `{"name": NAME, "arguments": ARGS}`. "required": one such
+    "tool_calls"; each tool's parameters are their own root, so their refs resolve as
+    written). "named": exactly `{"name": NAME, "arguments": ARGS}`. "required": one such
     object for any of the tools, or with parallel calls an array of 1 to
     MAX_PARALLEL_TOOL_CALLS of them (bounded, so that a model cannot add calls forever).
     The text keeps "name" before "arguments" (the grammar writes properties in schema order,
-    and a streamed call starts with its name); the parameters are canonical (sorted keys).
+    and a streamed call starts with its name). In a forced call the parameters sit inside a
+    wrapper, so a tool whose parameters hold a `$ref` is hoisted under the wrapper's `$defs`
+    (see _hoisted).
     """
     parameters = {
         tool.function.name: _tool_parameters(number, tool) for number, tool in enumerate(tools)
     }
     if mode == "auto":
         listed = [{"name": name, "parameters": schema} for name, schema in parameters.items()]
-        return StructuredOutput("tool_calls", canonical_json(listed))
-    calls = [_call_schema(name, schema) for name, schema in parameters.items()]
+        return StructuredOutput("tool_calls", canonical_json(listed), param="tools")
+    numbers = {name: number for number, name in enumerate(parameters)}
     if mode == "named":
         assert isinstance(tool_choice, NamedToolChoice)
-        schema = _call_schema(tool_choice.function.name, parameters[tool_choice.function.name])
+        names, param = [tool_choice.function.name], f"tools[{numbers[tool_choice.function.name]}]"
     else:
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        if parallel:
-            schema = {
-                "type": "array",
-                "items": schema,
-                "minItems": 1,
-                "maxItems": MAX_PARALLEL_TOOL_CALLS,
-            }
-    return StructuredOutput("json_schema", json.dumps(schema, separators=(",", ":")))
+        names, param = list(parameters), "tools"
+    definitions: dict[str, Any] = {}
+    calls = []
+    for name in names:
+        arguments = _hoisted(parameters[name], f"kvshare_tool_{numbers[name]}", definitions)
+        calls.append(_call_schema(name, arguments))
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if mode == "required" and parallel:
+        schema = {"type": "array", "items": schema, "minItems": 1}
+        schema["maxItems"] = MAX_PARALLEL_TOOL_CALLS
+    if definitions:
+        schema = {"$defs": definitions, **schema}
+    param = f"{param}.function.parameters" if mode == "named" else param
+    return StructuredOutput("json_schema", canonical_json(schema), param=param)
+
+
+def _hoisted(parameters: dict[str, Any], key: str, definitions: dict[str, Any]) -> dict[str, Any]:
+    """The `arguments` schema of a call: the parameters themselves when they hold no `$ref`,
+    else a `$ref` to `#/$defs/KEY`, where the parameters move with every local ref rewritten
+    from their own root to that place (`#/$defs/A` -> `#/$defs/KEY/$defs/A`, `#` -> the
+    parameters). Each tool has its own KEY, so tools whose `$defs` share names never collide,
+    and refs between definitions and recursive refs keep pointing where they did."""
+    prefix = f"#/$defs/{key}"
+    rewritten, num_refs = _rewrite_refs(parameters, prefix)
+    if num_refs == 0:
+        return parameters
+    definitions[key] = rewritten
+    return {"$ref": prefix}
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+_NAME_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
+def _rewrite_refs(node: Any, prefix: str, is_name_map: bool = False) -> tuple[Any, int]:
+    """node with each local `$ref` ("#...") re-rooted under prefix, and how many there were.
+    In a name map (properties, $defs) every value is a schema, whatever its name."""
+    if isinstance(node, list):
+        pairs = [_rewrite_refs(item, prefix) for item in node]
+        return [item for item, _ in pairs], sum(count for _, count in pairs)
+    if not isinstance(node, dict):
+        return node, 0
+    out: dict[str, Any] = {}
+    total = 0
+    for key, value in node.items():
+        if is_name_map:
+            out[key], count = _rewrite_refs(value, prefix)
+        elif key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key], count = prefix + value[1:], 1
+        elif key in _DATA_KEYWORDS:
+            out[key], count = value, 0
+        else:
+            out[key], count = _rewrite_refs(value, prefix, key in _NAME_MAPS)
+        total += count
+    return out, total
 
 
 def _tool_parameters(number: int, tool: Tool) -> dict[str, Any]:
@@ -116,10 +165,10 @@ def _tool_parameters(number: int, tool: Tool) -> dict[str, Any]:
         raise ParamError(param, e.message.replace(SCHEMA_WHERE, param)) from e
 
 
-def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+def _call_schema(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
+        "properties": {"name": {"const": name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }

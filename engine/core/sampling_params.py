@@ -22,9 +22,11 @@ class StructuredOutput:
     """A constraint on the text a request may generate, enforced by a grammar in the engine.
 
     kind "json_object": any JSON object; "json_schema": JSON that conforms to `schema`, the
-    schema as canonical JSON text (sorted keys, no spaces: equal schemas are equal strings, so
-    compiled grammars are cached by it). The edge (app/structured_output.py) has already checked the
-    schema and refused keywords the grammar engine would ignore.
+    schema as canonical JSON text (no spaces, keys sorted except the property names under each
+    `properties`, which keep the client's order, the order the grammar writes them in: equal
+    schemas are equal strings, so compiled grammars are cached by it). The edge
+    (app/structured_output.py) has already checked the schema and refused keywords the
+    grammar engine would ignore.
 
     kind "tool_calls" (tool_choice "auto"): free text in which every `<tool_call>` starts a
     call that must be completed as `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`
@@ -34,6 +36,8 @@ class StructuredOutput:
 
     kind: str
     schema: str | None = None
+    # The request field an error about this constraint names; not part of the grammar's key.
+    param: str = field(default="response_format", compare=False)
 
     def __post_init__(self) -> None:
         _check(

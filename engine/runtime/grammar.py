@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -100,10 +101,11 @@ class GrammarCache:
     def compile(self, structured: StructuredOutput) -> xgr.CompiledGrammar:
         schema = structured.schema if structured.schema is not None else _ANY_JSON_OBJECT
         num_bytes = len(schema.encode())
+        where = structured.param
         if num_bytes > self.max_schema_bytes:
             raise ParamError(
-                "response_format",
-                f"response_format schema is {num_bytes} bytes; the limit is "
+                where,
+                f"{where} schema is {num_bytes} bytes; the limit is "
                 f"{self.max_schema_bytes} (max_schema_bytes)",
             )
         compiler = self._get_compiler()
@@ -113,17 +115,16 @@ class GrammarCache:
         except FutureTimeout:
             self._count_failure()
             raise ParamError(
-                "response_format",
-                f"compiling response_format into a grammar took longer than {self.timeout_s:g} s "
+                where,
+                f"compiling {where} into a grammar took longer than {self.timeout_s:g} s "
                 "(grammar_compile_timeout_seconds); simplify the schema",
             ) from None
         except ParamError:
             raise
         except Exception as exc:  # xgrammar's error for a schema it cannot compile
             self._count_failure()
-            raise ParamError(
-                "response_format", f"response_format cannot be compiled into a grammar: {exc}"
-            ) from exc
+            message = f"{where} cannot be compiled into a grammar: {compile_error_text(exc)}"
+            raise ParamError(where, message) from exc
 
     def drain_compile_seconds(self) -> list[float]:
         """Durations of the compiles that finished since the last call."""
@@ -194,6 +195,15 @@ class GrammarCache:
 
 
 TOOL_CALL_BEGIN = "<tool_call>"
+# xgrammar's messages start with "[HH:MM:SS] /path/to/source.cc:LINE: ": not the client's business.
+_SOURCE_PREFIX = re.compile(r"^\s*(\[[^\]]*\]\s*)?[^\s:]+\.(cc|cpp|h|hpp|py):\d+:\s*")
+
+
+def compile_error_text(exc: BaseException) -> str:
+    """What a client may read of a compile error: its first line, without the source location
+    of the library that raised it."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return _SOURCE_PREFIX.sub("", lines[0]).strip() or "the grammar engine refused the schema"
 
 
 def tool_calls_tag(tools_json: str) -> str:
@@ -329,5 +339,5 @@ class GrammarMatchers:
 
 
 def schema_text(value: dict) -> str:
-    """A schema as the canonical text StructuredOutput carries (sorted keys, no spaces)."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    """A schema as the compact text StructuredOutput carries, keys in the order written."""
+    return json.dumps(value, separators=(",", ":"))
