@@ -11,7 +11,8 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")  # what a model runs in
 DTYPES = ("auto", *TORCH_DTYPES)  # auto: float32 on CPU, bfloat16 on CUDA
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine/runtime/attention/select.py
-SCHEDULING_POLICIES = ("fcfs", "longest-prefix-first")  # see engine/core/admission.py
+# see engine/core/admission.py; fair-share: engine/core/fair_share.py (fcfs with one tenant)
+SCHEDULING_POLICIES = ("fcfs", "longest-prefix-first", "fair-share")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # none: exact (the oracle for every equality test); fp16: fp16 weights, fp32 math; int8: int8
 # weights and per-token int8 activations. CPU float32 only (engine/runtime/cpu/quant.py).
@@ -55,7 +56,11 @@ class EngineConfig:
     # Per-namespace (tenant) cap on prefix-tree blocks: over it, a namespace's LRU blocks are
     # evicted before anyone else's (engine/kv/namespace_quota.py). None: plain LRU for all.
     max_cached_blocks_per_namespace: int | None = None
-    scheduling_policy: str = "fcfs"  # fcfs | longest-prefix-first
+    scheduling_policy: str = "fcfs"  # fcfs | longest-prefix-first | fair-share
+    # fair-share: service per token (engine/core/fair_share.py FairShareWeights)
+    fair_share_prompt_weight: float = 1.0
+    fair_share_cached_prompt_weight: float = 0.1
+    fair_share_output_weight: float = 2.0
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     num_threads: int | None = None  # CPU: torch threads (None: torch's default)
@@ -112,6 +117,14 @@ class EngineConfig:
                 or self.max_cached_blocks_per_namespace >= 1,
                 "max_cached_blocks_per_namespace",
                 "must be >= 1 (null: no cap)",
+            ),
+            *(
+                (
+                    getattr(self, f"fair_share_{kind}_weight") >= 0.0,
+                    f"fair_share_{kind}_weight",
+                    "must be >= 0",
+                )
+                for kind in ("prompt", "cached_prompt", "output")
             ),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
             *(

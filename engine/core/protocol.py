@@ -28,6 +28,10 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     # Narrows the prefix-cache namespace (tenant / cache_salt); None shares the model's root.
     cache_salt: str | None = None
+    # Fair share: the tenant whose service this is (None: the one shared tenant) and the
+    # priority within it (lower runs first; engine/core/fair_share.py has the bounds).
+    tenant: str | None = None
+    priority: int = 0
 
 
 @dataclass

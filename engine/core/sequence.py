@@ -71,6 +71,10 @@ class Sequence:
     num_cached_tokens: int = 0
     was_admitted: bool = False  # admitted at least once (num_cached_tokens is final)
     arrival_step: int = 0  # the scheduler step it arrived at, for the waiting-age bound
+    # Fair share (engine/core/fair_share.py): whose service this is, and its priority
+    # within the tenant (lower first; the lowest-priority running sequence is preempted first).
+    tenant: str = ""
+    priority: int = 0
     # sampling_params.prompt_logprobs: the logprobs of prompt tokens 1, 2, ... scored so far
     # (kept across preemptions: those positions are not scored again). None: not asked.
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -287,6 +291,8 @@ class Sequence:
             num_cached_tokens=self.num_cached_tokens,
             was_admitted=self.was_admitted,
             arrival_step=self.arrival_step,
+            tenant=self.tenant,
+            priority=self.priority,
         )
 
     def reset_for_recompute(self) -> None:
