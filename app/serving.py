@@ -78,6 +78,15 @@ def cache_namespace_salt(tenant: str | None, cache_salt: str | None) -> str | No
     return json.dumps([tenant, cache_salt])
 
 
+def scheduling_tenant(tenant: str | None, user: str | None, from_user: bool) -> str | None:
+    """The tenant fair share schedules by: the API key's; without keys, with tenant_from_user,
+    a hash of the request's `user` field (it narrows no cache namespace); else None (one
+    tenant for everyone)."""
+    if tenant is not None or not from_user or not user:
+        return tenant
+    return "user:" + hashlib.sha256(user.encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """The loaded model as the front end sees it."""
@@ -273,13 +282,20 @@ class OpenAIServing:
         """
         response_id = f"{prefix}-{secrets.token_hex(12)}"
         cache_salt = cache_namespace_salt(record.tenant, request.cache_salt)
+        tenant = scheduling_tenant(record.tenant, request.user, self.settings.tenant_from_user)
+        priority = request.priority or 0
         engine_requests = []
         for number, prompt_token_ids in enumerate(prompts):
             max_tokens = self._resolve_max_tokens(len(prompt_token_ids), request, prompt_param)
             params = request.to_sampling_params(max_tokens)
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{number}"
             engine_request = EngineRequest(
-                request_id, prompt_token_ids, params, cache_salt=cache_salt
+                request_id,
+                prompt_token_ids,
+                params,
+                cache_salt=cache_salt,
+                tenant=tenant,
+                priority=priority,
             )
             validate_request(engine_request, self.model.info, prompt_param=prompt_param)
             engine_requests.append(engine_request)

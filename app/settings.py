@@ -41,6 +41,8 @@ class ServerSettings(BaseModel):
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_waiting_requests: int = Field(default=256, ge=1)
+    # Fair share (docs/fair-scheduling.md): without api_keys, the `user` field as the tenant.
+    tenant_from_user: bool = False
     served_model_name: str | None = None
     default_max_tokens: int | None = Field(default=2048, ge=1)
     shutdown_grace_seconds: float = Field(default=30.0, ge=0.0)

@@ -56,7 +56,9 @@ class EngineConfig:
     # Per-namespace (tenant) cap on prefix-tree blocks: over it, a namespace's LRU blocks are
     # evicted before anyone else's (engine/kv/namespace_quota.py). None: plain LRU for all.
     max_cached_blocks_per_namespace: int | None = None
-    scheduling_policy: str = "fcfs"  # fcfs | longest-prefix-first | fair-share
+    scheduling_policy: str = (
+        "fair-share"  # fair-share (fcfs for 1 tenant) | fcfs | longest-prefix-first
+    )
     # fair-share: service per token (engine/core/fair_share.py FairShareWeights)
     fair_share_prompt_weight: float = 1.0
     fair_share_cached_prompt_weight: float = 0.1
