@@ -35,6 +35,7 @@ from app.request_models import ChatCompletionRequest, CompletionRequest
 from app.response_models import ChatCompletionResponse, CompletionResponse, Usage
 from app.settings import ServerSettings
 from app.streaming import merge
+from app.tenant_load import TenantGate, TenantLoads
 from engine.core.errors import KVShareError
 from engine.core.protocol import (
     CompletionOutput,
@@ -195,6 +196,12 @@ class OpenAIServing:
         self.settings = settings
         self.metrics = metrics
         self.limits = limits or RequestLimits.of(settings)
+        loads = TenantLoads(
+            settings.max_running_requests_per_tenant,
+            settings.max_waiting_requests_per_tenant,
+            settings.max_waiting_prompt_tokens_per_tenant,
+        )
+        self.tenants = TenantGate(loads, metrics)  # per-tenant limits (docs/fair-scheduling.md)
         self.created = int(time.time())
 
     # -- request -> EngineRequest(s) ----------------------------------------------------------
@@ -353,6 +360,12 @@ class OpenAIServing:
             raise APIError(400, message, param=param, code="context_length_exceeded")
         return requested
 
+    def check_tenant_limits(self, prepared: Prepared) -> None:
+        """A 429 (TenantLimitExceeded) when the request's tenant is over a per-tenant limit;
+        call it before answering (a stream cannot turn into a 429 once started)."""
+        num_prompt_tokens = sum(len(r.prompt_token_ids) for r in prepared.engine_requests)
+        self.tenants.check(prepared.engine_requests[0].tenant, num_prompt_tokens)
+
     # -- engine outputs -> deltas ---------------------------------------------------------------
 
     async def run(self, prepared: Prepared, record: RequestRecord) -> AsyncIterator[ChoiceDelta]:
@@ -363,6 +376,8 @@ class OpenAIServing:
         (disconnect, cancellation) aborts the engine requests that are still running.
         """
         record.prompt_tokens = sum(len(r.prompt_token_ids) for r in prepared.engine_requests)
+        tenant = prepared.engine_requests[0].tenant
+        ticket = self.tenants.arrive(tenant, record.prompt_tokens, prepared.arrival)
         streams, base = [], 0
         for engine_request in prepared.engine_requests:
             streams.append(self._drive(prepared, engine_request, base, record))
@@ -373,6 +388,7 @@ class OpenAIServing:
             # aclosing: leaving at a yield must close the inner generators now (they abort).
             async with aclosing(merge(streams)) as deltas:
                 async for delta in deltas:
+                    ticket.first_output()
                     record.completion_tokens += len(delta.token_ids)
                     saw_length = saw_length or delta.finish_reason == "length"
                     yield delta
@@ -381,6 +397,7 @@ class OpenAIServing:
             outcome = "error" if e.status_code >= 500 else "abort"
             raise
         finally:
+            ticket.leave(record.completion_tokens)
             record.finish_reason = outcome
             self.metrics.observe_request(outcome, time.monotonic() - prepared.arrival)
 

@@ -99,6 +99,7 @@ class EngineStats:
     kv_usage_watermark: float = 0.0  # peak used fraction since start
     kv_fragmentation_ratio: float = 0.0  # unused slots in allocated blocks / allocated slots
     num_leaked_blocks: int = 0
+    fair_share_counter_spread: float = 0.0  # max - min of the tenants' virtual token counters
     # Monotonic counters.
     num_preemptions: int = 0
     num_prompt_tokens: int = 0

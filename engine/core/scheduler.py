@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.core.admission import AdmissionPolicy
 from engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
@@ -144,13 +144,14 @@ class Scheduler:
         """Queue sizes, block usage, the leak count and counters: O(1) or O(live sequences),
         never a walk of the pool or the tree. Engine thread only (reads live state); fields
         the scheduler does not own (bytes_per_block, audits, the step) stay default."""
-        return engine_stats(
+        stats = engine_stats(
             self.counters,
             self.kv_cache_manager,
             self.num_running,
             self.num_waiting,
             self.num_leaked_blocks(),
         )
+        return replace(stats, fair_share_counter_spread=self.fair_share.spread())
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
