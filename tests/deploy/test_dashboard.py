@@ -54,12 +54,19 @@ REQUIRED_METRICS = {
     "kvshare_request_duration_seconds": "histogram",
     "kvshare_step_duration_seconds": "histogram",
     "kvshare_batch_size": "histogram",
+    # Fair share (docs/fair-scheduling.md)
+    "kvshare_tenant_generation_tokens_total": "counter",
+    "kvshare_tenant_prompt_tokens_total": "counter",
+    "kvshare_tenant_queue_time_seconds": "histogram",
+    "kvshare_tenant_rejections_total": "counter",
+    "kvshare_fair_share_counter_spread": "gauge",
 }
 # Label values the expressions may match on (the README and engine/core/protocol.py FinishReason).
 LABEL_VALUES = {
     "state": {"free", "private", "shared", "cached", "running", "waiting"},
     "kind": {"corruption", "drift"},
     "finish_reason": {"stop", "length", "abort", "error"},
+    "reason": {"running", "waiting", "prompt_tokens"},
 }
 
 
