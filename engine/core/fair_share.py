@@ -35,6 +35,16 @@ def by_priority(waiting: Iterable[Sequence]) -> list[Sequence]:
     return sorted(waiting, key=lambda seq: seq.priority)
 
 
+def preemption_victim(running: list[Sequence], scheduled_ids: set[int]) -> Sequence:
+    """The running sequence to preempt: not scheduled this step, the highest priority value
+    (the lowest priority), the newest (last in `running`) among equals."""
+    candidates = [
+        (seq.priority, index) for index, seq in enumerate(running)
+        if seq.seq_id not in scheduled_ids
+    ]  # fmt: skip
+    return running[max(candidates)[1]]
+
+
 class FairShare:
     """The tenants' virtual token counters. Engine thread only; the Scheduler charges it."""
 

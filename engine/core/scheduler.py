@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from engine.core.admission import AdmissionPolicy
 from engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
-from engine.core.fair_share import FairShare, FairShareWeights
+from engine.core.fair_share import FairShare, FairShareWeights, preemption_victim
 from engine.core.protocol import (
     CompletionOutput,
     EngineRequest,
@@ -353,12 +353,7 @@ class Scheduler:
         False when seq itself was the one preempted.
         """
         while not self.kv_cache_manager.allocate_slots(seq, num_tokens):
-            candidates = [
-                (s.priority, index, s)
-                for index, s in enumerate(self.table.running)
-                if s.seq_id not in step.scheduled_ids
-            ]
-            victim = max(candidates, key=lambda c: c[:2])[2]
+            victim = preemption_victim(self.table.running, step.scheduled_ids)
             self.table.preempt(victim)
             self.counters.num_preemptions += 1
             step.num_preempted += 1
