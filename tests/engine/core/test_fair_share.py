@@ -3,6 +3,8 @@ order, counter lifts, priority preemption with exact block ids (no torch)."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.core.fair_share import FairShare, FairShareWeights
 from engine.core.protocol import EngineRequest
 from engine.core.scheduler import Scheduler
@@ -186,3 +188,28 @@ def test_out_of_blocks_preempts_the_lowest_priority_not_the_newest() -> None:
     run(scheduler, runner, {}, results)
     assert results["low"].tokens == {0: list(range(5, 13))}
     assert results["high"].tokens == {0: list(range(15, 23))}
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [("fcfs", ["a0", "a1", "b0"]), ("fair-share", ["a0", "b0", "a1"])],
+)
+def test_fair_share_composes_with_the_prefix_cache_and_chunked_prefill(policy, expected) -> None:
+    # 8 tokens a step. a0 (17 tokens) prefills in chunks of 8, 8, 1 (A = 17 by then), inserting
+    # its full blocks after each; a1 shares its 16-token prefix. In the third step there is
+    # room for 7 more tokens: fair share takes B (0) first, then a1 (16 cached, 1 computed);
+    # fcfs takes a1 first.
+    scheduler, runner = make_scheduler(
+        max_num_batched_tokens=8, enable_prefix_cache=True, scheduling_policy=policy
+    )
+    recording(scheduler)
+    prefix = list(range(1, 17))
+    arrivals = [
+        request("a0", [*prefix, 40], "A", max_tokens=2),
+        request("a1", [*prefix, 41], "A", max_tokens=2),
+        request("b0", [50, 51, 52, 53, 54, 55], "B", max_tokens=2),
+    ]
+    results = run(scheduler, runner, {0: arrivals})
+    assert admission_order(runner, scheduler) == expected
+    assert [len(out.seqs) for out in runner.steps[:2]] == [1, 1]  # a0's chunks fill the budget
+    assert results["a1"].num_cached_tokens == 16
