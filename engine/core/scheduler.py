@@ -207,10 +207,16 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's tokens: decodes, then running prefills, then admissions."""
+        """Pick this step's tokens: decodes, then running prefills, then admissions (fair
+        share: admissions of tenants less served than any running prefill's come first)."""
         self._num_steps += 1
         step = StepBuilder(self.kv_cache_manager, self.max_num_batched_tokens)
         self._schedule_decodes(step)
+        least = self._least_prefilling_counter()
+        is_fair = self.admission.scheduling_policy == "fair-share"
+        if is_fair and least is not None and not step.num_preempted:
+            # Tenants less served than every tenant with a prefill running are admitted first.
+            self._admit_waiting(step, below=least)
         self._schedule_running_prefills(step)
         if not step.num_preempted:  # blocks just taken from a victim: do not re-admit it now
             self._admit_waiting(step)
@@ -300,10 +306,19 @@ class Scheduler:
             if self._reserve_slots(step, seq, num_tokens):
                 self._add_prefill_chunk(step, seq, num_tokens)
 
-    def _admit_waiting(self, step: StepBuilder) -> None:
-        """Admit in policy order until the budget, the seats or the pool runs out."""
+    def _least_prefilling_counter(self) -> float | None:
+        counters = [
+            self.fair_share.counter(seq.tenant) for seq in self.table.running if not seq.is_decoding
+        ]
+        return min(counters, default=None)
+
+    def _admit_waiting(self, step: StepBuilder, below: float | None = None) -> None:
+        """Admit in policy order until the budget, the seats or the pool runs out; with
+        `below` (fair share), only while the next tenant's counter is under it."""
         for seq in self.admission.order(self.table.waiting, self._num_steps):
             if step.budget == 0:
+                break
+            if below is not None and self.fair_share.counter(seq.tenant) >= below:
                 break
             if self._can_never_fit(seq):
                 self._reject(seq)

@@ -191,14 +191,19 @@ def test_out_of_blocks_preempts_the_lowest_priority_not_the_newest() -> None:
 
 
 @pytest.mark.parametrize(
-    ("policy", "expected"),
-    [("fcfs", ["a0", "a1", "b0"]), ("fair-share", ["a0", "b0", "a1"])],
+    ("policy", "expected", "first_steps"),
+    [
+        ("fcfs", ["a0", "a1", "b0"], [["a0"], ["a0"], ["a0", "a1", "b0"]]),
+        ("fair-share", ["a0", "b0", "a1"], [["a0"], ["b0", "a0"], ["b0", "a0"]]),
+    ],
 )
-def test_fair_share_composes_with_the_prefix_cache_and_chunked_prefill(policy, expected) -> None:
-    # 8 tokens a step. a0 (17 tokens) prefills in chunks of 8, 8, 1 (A = 17 by then), inserting
-    # its full blocks after each; a1 shares its 16-token prefix. In the third step there is
-    # room for 7 more tokens: fair share takes B (0) first, then a1 (16 cached, 1 computed);
-    # fcfs takes a1 first.
+def test_fair_share_composes_with_the_prefix_cache_and_chunked_prefill(
+    policy, expected, first_steps
+) -> None:
+    # 8 tokens a step. a0 (17 tokens) prefills in chunks, inserting its full blocks after each;
+    # a1 shares its 16-token prefix. fcfs: a0 takes 8, 8, then 1 and a1 (16 cached) and b0 the
+    # rest. Fair share: in step 2 B (0) is less served than A (8), whose prefill is running, so
+    # b0 (6 tokens) goes before a0's next chunk (2 tokens); a1 follows, its prefix cached.
     scheduler, runner = make_scheduler(
         max_num_batched_tokens=8, enable_prefix_cache=True, scheduling_policy=policy
     )
@@ -211,5 +216,6 @@ def test_fair_share_composes_with_the_prefix_cache_and_chunked_prefill(policy, e
     ]
     results = run(scheduler, runner, {0: arrivals})
     assert admission_order(runner, scheduler) == expected
-    assert [len(out.seqs) for out in runner.steps[:2]] == [1, 1]  # a0's chunks fill the budget
+    names = seq_requests(scheduler)
+    assert [[names[s.seq_id] for s in out.seqs] for out in runner.steps[:3]] == first_steps
     assert results["a1"].num_cached_tokens == 16
