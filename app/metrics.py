@@ -11,6 +11,7 @@ bookkeeping, no call into the engine).
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterator
 
@@ -86,6 +87,9 @@ _ENGINE_GAUGES = (
      "kv_fragmentation_ratio"),
     ("kvshare_kv_blocks_leaked", "Blocks the accounting cannot attribute (must stay 0).",
      "num_leaked_blocks"),
+    ("kvshare_fair_share_counter_spread",
+     "Fair share: largest minus least weighted service among the tenants the scheduler tracks.",
+     "fair_share_counter_spread"),
 )  # fmt: skip
 _SEGMENT_LABELS = ("system", "user", "assistant", "tool", "message", "generation_prompt", "prompt")
 _BLOCK_STATES = (
@@ -96,11 +100,36 @@ _BLOCK_STATES = (
 )
 
 
+DEFAULT_TENANT_LABEL = "default"  # the one tenant without API keys
+OTHER_TENANT_LABEL = "other"  # every tenant past max_tenant_labels
+
+
+class TenantLabels:
+    """A tenant's metric label: a short hash of its id (never the id), at most max_labels
+    distinct ones (the first seen keep theirs); the rest share OTHER_TENANT_LABEL."""
+
+    def __init__(self, max_labels: int) -> None:
+        self.max_labels = max_labels
+        self._labels: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def of(self, tenant: str | None) -> str:
+        if tenant is None:
+            return DEFAULT_TENANT_LABEL
+        with self._lock:
+            label = self._labels.get(tenant)
+            if label is None and len(self._labels) < self.max_labels:
+                label = hashlib.sha256(tenant.encode()).hexdigest()[:8]
+                self._labels[tenant] = label
+        return label or OTHER_TENANT_LABEL
+
+
 class ServerMetrics:
     """Per-app metrics. Observation methods are cheap and safe from any thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_tenant_labels: int = 16) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.tenant_labels = TenantLabels(max_tenant_labels)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
@@ -158,11 +187,41 @@ class ServerMetrics:
             "Seconds the grammar masks added to an engine step (steps with constrained rows).",
             _TOKEN_GAP_BUCKETS,
         )
+        self._define_tenant_metrics()
         self.audit_max_abs_diff = histogram(
             "kvshare_cache_audit_max_abs_diff",
             "Largest |cached - recomputed| difference (reused K/V or last-prompt logits) "
             "per cache audit.",
             _DIFF_BUCKETS,
+        )
+
+    def _define_tenant_metrics(self) -> None:
+        tenant = ["tenant"]
+        self.tenant_queue_time = Histogram(
+            "kvshare_tenant_queue_time_seconds",
+            "Seconds from a request's arrival to its first output, by tenant.",
+            tenant,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tenant_prompt_tokens = Counter(
+            "kvshare_tenant_prompt_tokens",
+            "Prompt tokens of ended requests, by tenant.",
+            tenant,
+            registry=self.registry,
+        )
+        self.tenant_generation_tokens = Counter(
+            "kvshare_tenant_generation_tokens",
+            "Tokens generated for ended requests, by tenant.",
+            tenant,
+            registry=self.registry,
+        )
+        self.tenant_rejections = Counter(
+            "kvshare_tenant_rejections",
+            "Requests refused with a 429 by a per-tenant limit, by tenant and reason "
+            "(running, waiting, prompt_tokens).",
+            ["tenant", "reason"],
+            registry=self.registry,
         )
 
     # -- observed by the app ----------------------------------------------------------------
@@ -173,6 +232,18 @@ class ServerMetrics:
             return
         name = segment.get("role") if segment["kind"] == "message" else segment["kind"]
         self.cache_divergence.labels(name if name in _SEGMENT_LABELS else "message").inc()
+    def observe_tenant_queue_time(self, tenant: str | None, seconds: float) -> None:
+        self.tenant_queue_time.labels(self.tenant_labels.of(tenant)).observe(seconds)
+
+    def observe_tenant_tokens(
+        self, tenant: str | None, num_prompt_tokens: int, num_generated_tokens: int
+    ) -> None:
+        label = self.tenant_labels.of(tenant)
+        self.tenant_prompt_tokens.labels(label).inc(num_prompt_tokens)
+        self.tenant_generation_tokens.labels(label).inc(num_generated_tokens)
+
+    def observe_tenant_rejection(self, tenant: str | None, reason: str) -> None:
+        self.tenant_rejections.labels(self.tenant_labels.of(tenant), reason).inc()
 
     def observe_request(self, finish_reason: str, duration_s: float) -> None:
         """One request ended: stop | length (any choice cut by max_tokens) | abort | error."""

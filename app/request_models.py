@@ -19,6 +19,7 @@ from app.request_parts import (
 )
 from app.structured_output import structured_output, tool_structured_output
 from engine.core.errors import ParamError
+from engine.core.fair_share import MAX_PRIORITY, MIN_PRIORITY
 from engine.core.sampling_params import SamplingParams, StructuredOutput
 from engine.core.seeds import MAX_SEED
 
@@ -33,6 +34,7 @@ Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 Count = Annotated[int, Field(ge=1)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Priority = Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)]  # lower runs first
 TokenId = Annotated[int, Field(ge=0)]
 TokenIdKey = Annotated[int, Strict(False), Field(ge=0)]  # JSON object keys are strings: "5"
 
@@ -84,6 +86,7 @@ class _SamplingRequest(RequestModel):
     # true, or {"compare_to": ID}: the response says why the prompt missed the prefix cache
     # (docs/cache-diagnostics.md).
     cache_diagnostics: bool | CacheDiagnosticsOptions | None = None
+    priority: Priority | None = None  # vLLM's meaning: lower runs first (within a tenant)
     skip_special_tokens: bool | None = True  # false: special tokens stay in the text
     no_stop_trim: bool | None = False  # SGLang's name: keep the matched stop in the text
     include_stop_str_in_output: bool | None = False  # vLLM's name for the same

@@ -46,7 +46,7 @@ _KEYED_PREFIXES = (_GENERATION_PREFIX, "/debug/")  # routes that need an API key
 
 def create_app(engine_client: EngineClient, settings: Settings) -> FastAPI:
     """An app serving `engine_client`. Its lifespan starts the engine and shuts it down."""
-    state = ServerState(engine_client, settings, ServerMetrics())
+    state = ServerState(engine_client, settings, ServerMetrics(settings.server.max_tenant_labels))
     engine_client.add_stats_listener(state.metrics.observe_engine)  # pushed once per step
     app = FastAPI(
         title="kvshare",

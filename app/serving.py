@@ -46,6 +46,7 @@ from app.response_models import ChatCompletionResponse, CompletionResponse, Usag
 from app.settings import ServerSettings
 from app.streaming import merge
 from app.template_check import check_chat_template
+from app.tenant_load import TenantGate, TenantLoads
 from engine.core.errors import KVShareError
 from engine.core.protocol import (
     CacheDiagnosis,
@@ -89,6 +90,15 @@ def cache_namespace_salt(tenant: str | None, cache_salt: str | None) -> str | No
     if tenant is None:
         return cache_salt
     return json.dumps([tenant, cache_salt])
+
+
+def scheduling_tenant(tenant: str | None, user: str | None, from_user: bool) -> str | None:
+    """The tenant fair share schedules by: the API key's; without keys, with tenant_from_user,
+    a hash of the request's `user` field (it narrows no cache namespace); else None (one
+    tenant for everyone)."""
+    if tenant is not None or not from_user or not user:
+        return tenant
+    return "user:" + hashlib.sha256(user.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -200,6 +210,12 @@ class OpenAIServing:
         self.settings = settings
         self.metrics = metrics
         self.limits = limits or RequestLimits.of(settings)
+        loads = TenantLoads(
+            settings.max_running_requests_per_tenant,
+            settings.max_waiting_requests_per_tenant,
+            settings.max_waiting_prompt_tokens_per_tenant,
+        )
+        self.tenants = TenantGate(loads, metrics)  # per-tenant limits (docs/fair-scheduling.md)
         self.created = int(time.time())
         # cache_diagnostics.compare_to and GET /debug/cache_report
         self.recent_prompts = RecentPrompts(settings.cache_history_size)
@@ -322,13 +338,20 @@ class OpenAIServing:
         """
         response_id = f"{prefix}-{secrets.token_hex(12)}"
         cache_salt = cache_namespace_salt(record.tenant, request.cache_salt)
+        tenant = scheduling_tenant(record.tenant, request.user, self.settings.tenant_from_user)
+        priority = request.priority or 0
         engine_requests = []
         for number, prompt_token_ids in enumerate(prompts):
             max_tokens = self._resolve_max_tokens(len(prompt_token_ids), request, prompt_param)
             params = request.to_sampling_params(max_tokens)
             request_id = response_id if len(prompts) == 1 else f"{response_id}-{number}"
             engine_request = EngineRequest(
-                request_id, prompt_token_ids, params, cache_salt=cache_salt
+                request_id,
+                prompt_token_ids,
+                params,
+                cache_salt=cache_salt,
+                tenant=tenant,
+                priority=priority,
             )
             validate_request(engine_request, self.model.info, prompt_param=prompt_param)
             engine_requests.append(engine_request)
@@ -386,6 +409,12 @@ class OpenAIServing:
             raise APIError(400, message, param=param, code="context_length_exceeded")
         return requested
 
+    def check_tenant_limits(self, prepared: Prepared) -> None:
+        """A 429 (TenantLimitExceeded) when the request's tenant is over a per-tenant limit;
+        call it before answering (a stream cannot turn into a 429 once started)."""
+        num_prompt_tokens = sum(len(r.prompt_token_ids) for r in prepared.engine_requests)
+        self.tenants.check(prepared.engine_requests[0].tenant, num_prompt_tokens)
+
     # -- engine outputs -> deltas ---------------------------------------------------------------
 
     async def run(self, prepared: Prepared, record: RequestRecord) -> AsyncIterator[ChoiceDelta]:
@@ -396,6 +425,8 @@ class OpenAIServing:
         (disconnect, cancellation) aborts the engine requests that are still running.
         """
         record.prompt_tokens = sum(len(r.prompt_token_ids) for r in prepared.engine_requests)
+        tenant = prepared.engine_requests[0].tenant
+        ticket = self.tenants.arrive(tenant, record.prompt_tokens, prepared.arrival)
         streams, base = [], 0
         for engine_request in prepared.engine_requests:
             streams.append(self._drive(prepared, engine_request, base, record))
@@ -406,6 +437,7 @@ class OpenAIServing:
             # aclosing: leaving at a yield must close the inner generators now (they abort).
             async with aclosing(merge(streams)) as deltas:
                 async for delta in deltas:
+                    ticket.first_output()
                     record.completion_tokens += len(delta.token_ids)
                     saw_length = saw_length or delta.finish_reason == "length"
                     yield delta
@@ -414,6 +446,7 @@ class OpenAIServing:
             outcome = "error" if e.status_code >= 500 else "abort"
             raise
         finally:
+            ticket.leave(record.completion_tokens)
             record.finish_reason = outcome
             self.metrics.observe_request(outcome, time.monotonic() - prepared.arrival)
 

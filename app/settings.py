@@ -41,6 +41,13 @@ class ServerSettings(BaseModel):
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_waiting_requests: int = Field(default=256, ge=1)
+    # Fair share (docs/fair-scheduling.md): without api_keys, the `user` field as the tenant.
+    tenant_from_user: bool = False
+    # Per-tenant limits (app/tenant_load.py), each a 429 with Retry-After; None: off.
+    max_running_requests_per_tenant: int | None = Field(default=None, ge=1)
+    max_waiting_requests_per_tenant: int | None = Field(default=None, ge=1)
+    max_waiting_prompt_tokens_per_tenant: int | None = Field(default=None, ge=1)
+    max_tenant_labels: int = Field(default=16, ge=1)  # distinct tenants in metrics; rest: other
     served_model_name: str | None = None
     default_max_tokens: int | None = Field(default=2048, ge=1)
     shutdown_grace_seconds: float = Field(default=30.0, ge=0.0)

@@ -13,6 +13,7 @@ from engine.audit.faults import FaultInjector
 from engine.core.batch import ModelRunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.core.errors import FaultInjectionDisabled, KVEventsDisabled
+from engine.core.fair_share import FairShareWeights
 from engine.core.protocol import (
     EngineRequest,
     EngineStats,
@@ -125,6 +126,11 @@ class LLMEngine:
             scheduling_policy=self.config.scheduling_policy,
             record_cache_hits=self.config.audit_sample_rate > 0,
             proposer=self._build_proposer(),
+            fair_share_weights=FairShareWeights(
+                prompt=self.config.fair_share_prompt_weight,
+                cached_prompt=self.config.fair_share_cached_prompt_weight,
+                output=self.config.fair_share_output_weight,
+            ),
         )
 
     def _build_proposer(self) -> NgramProposer | None:

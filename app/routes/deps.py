@@ -135,7 +135,9 @@ async def respond_to(
     record: RequestRecord,
     stream: bool,
 ) -> Response:
-    """Answer a prepared generation request as SSE or as one JSON body (app/streaming.py)."""
+    """Answer a prepared generation request as SSE or as one JSON body (app/streaming.py);
+    a 429 first when its tenant is over a per-tenant limit."""
+    serving.check_tenant_limits(prepared)
     return await respond(
         request,
         stream,

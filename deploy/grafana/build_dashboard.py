@@ -192,6 +192,32 @@ def router_panels() -> list[dict]:
     ]  # fmt: skip
 
 
+def tenant_panels() -> list[dict]:
+    """Fair share between tenants (docs/fair-scheduling.md); tenants are short hashes."""
+    per_tenant = "sum by (tenant) ({})"
+    queue_p99 = (
+        "histogram_quantile(0.99, sum by (le, tenant) "
+        f"({rate('kvshare_tenant_queue_time_seconds_bucket')}))"
+    )
+    rejections = f"sum by (tenant, reason) ({rate('kvshare_tenant_rejections_total')})"
+    return [
+        panel("Output tokens per tenant",
+              [(per_tenant.format(rate("kvshare_tenant_generation_tokens_total")), "{{tenant}}")],
+              "tps", "Generated tokens of ended requests per second, by tenant (other: past "
+              "max_tenant_labels).", stacked=True),
+        panel("Queue time per tenant (p99)", [(queue_p99, "{{tenant}}")], "s",
+              "Arrival to first output: what a noisy neighbour adds."),
+        panel("Fair-share counter spread",
+              [(f"max(kvshare_fair_share_counter_spread{{{SEL}}})", "spread")],
+              description="Largest minus least weighted service among the tracked tenants."),
+        panel("Per-tenant 429s", [(rejections, "{{tenant}} {{reason}}")], "reqps",
+              "Requests refused by a per-tenant limit, by reason."),
+        panel("Prompt tokens per tenant",
+              [(per_tenant.format(rate("kvshare_tenant_prompt_tokens_total")), "{{tenant}}")],
+              "tps", stacked=True),
+    ]  # fmt: skip
+
+
 def layout(rows: list[tuple[str, list[dict]]], width: int = 8, height: int = 8) -> list[dict]:
     """Rows of panels, three per line; ids and gridPos assigned in reading order."""
     panels, y, next_id = [], 0, 1
@@ -231,6 +257,7 @@ def build_dashboard() -> dict:
         ("Latency", latency_panels()),
         ("Traffic and scheduling", traffic_panels()),
         ("Router view: what the endpoint picker compares", router_panels()),
+        ("Tenants: fair share, queue time, limits", tenant_panels()),
     ]
     return {
         "uid": "kvshare",

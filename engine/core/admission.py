@@ -2,6 +2,10 @@
 
 Admission order (scheduling_policy):
   fcfs                  queue order (preempted sequences go back to the front).
+  fair-share            the head of the tenant with the least virtual token counter, lazily
+                        (engine/core/fair_share.py); queue order within a tenant.
+Every policy first orders by priority (lower first, a stable sort: queue order among equals);
+under longest-prefix-first the prefix length then decides and priority breaks its ties.
   longest-prefix-first  the first LPF_WINDOW waiting sequences by cached prefix length
                         (longest first, queue order on ties); one that arrived more than
                         LPF_MAX_WAIT_STEPS steps ago goes first regardless, so nothing starves.
@@ -15,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.core.config import SCHEDULING_POLICIES
+from engine.core.fair_share import FairShare, by_priority
 from engine.core.sequence import Sequence
 from engine.kv.kv_cache_manager import KVCacheManager
 
@@ -25,16 +30,25 @@ LPF_MAX_WAIT_STEPS = 32  # the age bound of longest-prefix-first, in scheduler s
 class AdmissionPolicy:
     """Orders the waiting queue and holds followers; reads the KV cache, never changes it."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, scheduling_policy: str) -> None:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        scheduling_policy: str,
+        fair_share: FairShare | None = None,
+    ) -> None:
         assert scheduling_policy in SCHEDULING_POLICIES, scheduling_policy
         self.kv_cache_manager = kv_cache_manager
         self.scheduling_policy = scheduling_policy
+        self.fair_share = fair_share or FairShare()
 
-    def order(self, waiting: Iterable[Sequence], step_index: int) -> list[Sequence]:
-        """The waiting sequences in the order to try them at scheduler step step_index."""
-        waiting = list(waiting)
+    def order(self, waiting: Iterable[Sequence], step_index: int) -> Iterable[Sequence]:
+        """The waiting sequences in the order to try them at scheduler step step_index
+        (fair-share: a lazy iterator that reads the counters as the step charges them)."""
+        waiting = by_priority(waiting)
         if self.scheduling_policy == "fcfs":
             return waiting
+        if self.scheduling_policy == "fair-share":
+            return self.fair_share.order(waiting)
         window, rest = waiting[:LPF_WINDOW], waiting[LPF_WINDOW:]
         is_aged = [step_index - s.arrival_step > LPF_MAX_WAIT_STEPS for s in window]
         aged = [s for s, old in zip(window, is_aged, strict=True) if old]

@@ -11,7 +11,8 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")  # what a model runs in
 DTYPES = ("auto", *TORCH_DTYPES)  # auto: float32 on CPU, bfloat16 on CUDA
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine/runtime/attention/select.py
-SCHEDULING_POLICIES = ("fcfs", "longest-prefix-first")  # see engine/core/admission.py
+# see engine/core/admission.py; fair-share: engine/core/fair_share.py (fcfs with one tenant)
+SCHEDULING_POLICIES = ("fcfs", "longest-prefix-first", "fair-share")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # none: exact (the oracle for every equality test); native: a GGUF model's blocks as stored
 # (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K kernels, fp32 math); q8_0: Q8_0 blocks made at load; fp16: fp16
@@ -57,7 +58,13 @@ class EngineConfig:
     # Per-namespace (tenant) cap on prefix-tree blocks: over it, a namespace's LRU blocks are
     # evicted before anyone else's (engine/kv/namespace_quota.py). None: plain LRU for all.
     max_cached_blocks_per_namespace: int | None = None
-    scheduling_policy: str = "fcfs"  # fcfs | longest-prefix-first
+    scheduling_policy: str = (
+        "fair-share"  # fair-share (fcfs for 1 tenant) | fcfs | longest-prefix-first
+    )
+    # fair-share: service per token (engine/core/fair_share.py FairShareWeights)
+    fair_share_prompt_weight: float = 1.0
+    fair_share_cached_prompt_weight: float = 0.1
+    fair_share_output_weight: float = 2.0
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     num_threads: int | None = None  # CPU: torch threads (None: torch's default)
@@ -114,6 +121,14 @@ class EngineConfig:
                 or self.max_cached_blocks_per_namespace >= 1,
                 "max_cached_blocks_per_namespace",
                 "must be >= 1 (null: no cap)",
+            ),
+            *(
+                (
+                    getattr(self, f"fair_share_{kind}_weight") >= 0.0,
+                    f"fair_share_{kind}_weight",
+                    "must be >= 0",
+                )
+                for kind in ("prompt", "cached_prompt", "output")
             ),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
             *(

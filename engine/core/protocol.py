@@ -28,6 +28,10 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.monotonic)
     # Narrows the prefix-cache namespace (tenant / cache_salt); None shares the model's root.
     cache_salt: str | None = None
+    # Fair share: the tenant whose service this is (None: the one shared tenant) and the
+    # priority within it (lower runs first; engine/core/fair_share.py has the bounds).
+    tenant: str | None = None
+    priority: int = 0
 
 
 @dataclass
@@ -123,6 +127,7 @@ class EngineStats:
     kv_usage_watermark: float = 0.0  # peak used fraction since start
     kv_fragmentation_ratio: float = 0.0  # unused slots in allocated blocks / allocated slots
     num_leaked_blocks: int = 0
+    fair_share_counter_spread: float = 0.0  # max - min of the tenants' virtual token counters
     # Monotonic counters.
     num_preemptions: int = 0
     num_prompt_tokens: int = 0

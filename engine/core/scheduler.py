@@ -1,7 +1,8 @@
 """Step-level continuous batching over the paged KV pool (torch-free).
 
-Each step: decodes first (one token per decoding sequence, preempting the newest running
-sequence by recompute when blocks run out, after cached blocks were evicted), then prefill
+Each step: decodes first (one token per decoding sequence, preempting the lowest-priority
+running sequence, the newest among equals, by recompute when blocks run out, after cached
+blocks were evicted), then prefill
 chunks of running sequences, then admission of waiting sequences, all under a token budget
 and a sequence cap. The scheduler reaches KV memory only through KVCacheManager.
 
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.core.admission import AdmissionPolicy
 from engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
+from engine.core.fair_share import FairShare, FairShareWeights, preemption_victim
 from engine.core.protocol import (
     CompletionOutput,
     EngineRequest,
@@ -66,8 +68,9 @@ class Scheduler:
 
     weights_version goes into every request's prefix-cache namespace
     (make_namespace(weights_version, None, request.cache_salt)); scheduling_policy is
-    "fcfs" or "longest-prefix-first" (see admission.py). With record_cache_hits,
-    every first admission that reuses cached tokens is kept as a CacheHit for
+    "fcfs", "longest-prefix-first" or "fair-share" (see admission.py; fair_share_weights
+    price the service each tenant's counter is charged, under every policy). With
+    record_cache_hits, every first admission that reuses cached tokens is kept as a CacheHit for
     take_cache_hits() (the engine drains them every step for the auditor).
 
     With a `proposer`, decodes may carry a speculative draft: what is drafted and what a
@@ -86,11 +89,13 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         record_cache_hits: bool = False,
         proposer: NgramProposer | None = None,
+        fair_share_weights: FairShareWeights | None = None,
     ) -> None:
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_model_len >= 2
         self.kv_cache_manager = kv_cache_manager
         self.weights_version = weights_version  # part of every request's cache namespace
-        self.admission = AdmissionPolicy(kv_cache_manager, scheduling_policy)
+        self.fair_share = FairShare(fair_share_weights)
+        self.admission = AdmissionPolicy(kv_cache_manager, scheduling_policy, self.fair_share)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -139,13 +144,14 @@ class Scheduler:
         """Queue sizes, block usage, the leak count and counters: O(1) or O(live sequences),
         never a walk of the pool or the tree. Engine thread only (reads live state); fields
         the scheduler does not own (bytes_per_block, audits, the step) stay default."""
-        return engine_stats(
+        stats = engine_stats(
             self.counters,
             self.kv_cache_manager,
             self.num_running,
             self.num_waiting,
             self.num_leaked_blocks(),
         )
+        return replace(stats, fair_share_counter_spread=self.fair_share.spread())
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -169,7 +175,12 @@ class Scheduler:
             cache_namespace=make_namespace(self.weights_version, None, request.cache_salt),
             arrival_step=self._num_steps,
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+            tenant=request.tenant or "",
+            priority=request.priority,
         )
+        live_tenants = {live.tenant for live in self.table.seqs.values()}
+        if seq.tenant not in live_tenants:
+            self.fair_share.activate(seq.tenant, live_tenants)
         self.table.add(Request(request, seed, [seq]))
         self.counters.num_prompt_tokens += num_prompt_tokens
 
@@ -196,10 +207,16 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's tokens: decodes, then running prefills, then admissions."""
+        """Pick this step's tokens: decodes, then running prefills, then admissions (fair
+        share: admissions of tenants less served than any running prefill's come first)."""
         self._num_steps += 1
         step = StepBuilder(self.kv_cache_manager, self.max_num_batched_tokens)
         self._schedule_decodes(step)
+        least = self._least_prefilling_counter()
+        is_fair = self.admission.scheduling_policy == "fair-share"
+        if is_fair and least is not None and not step.num_preempted:
+            # Tenants less served than every tenant with a prefill running are admitted first.
+            self._admit_waiting(step, below=least)
         self._schedule_running_prefills(step)
         if not step.num_preempted:  # blocks just taken from a victim: do not re-admit it now
             self._admit_waiting(step)
@@ -275,7 +292,10 @@ class Scheduler:
                 step.add_chunk(seq, 1 + len(draft), draft)
 
     def _schedule_running_prefills(self, step: StepBuilder) -> None:
-        for seq in list(self.table.running):
+        running = self.table.running
+        if self.admission.scheduling_policy == "fair-share":
+            running = self.fair_share.order_running(running)
+        for seq in list(running):
             if step.budget == 0:
                 break
             # Skip the preempted, the scheduled, and decodes the budget left out.
@@ -284,12 +304,21 @@ class Scheduler:
                 continue
             num_tokens = min(seq.num_uncomputed_tokens, step.budget)
             if self._reserve_slots(step, seq, num_tokens):
-                step.add_chunk(seq, num_tokens)
+                self._add_prefill_chunk(step, seq, num_tokens)
 
-    def _admit_waiting(self, step: StepBuilder) -> None:
-        """Admit in policy order until the budget, the seats or the pool runs out."""
+    def _least_prefilling_counter(self) -> float | None:
+        counters = [
+            self.fair_share.counter(seq.tenant) for seq in self.table.running if not seq.is_decoding
+        ]
+        return min(counters, default=None)
+
+    def _admit_waiting(self, step: StepBuilder, below: float | None = None) -> None:
+        """Admit in policy order until the budget, the seats or the pool runs out; with
+        `below` (fair share), only while the next tenant's counter is under it."""
         for seq in self.admission.order(self.table.waiting, self._num_steps):
             if step.budget == 0:
+                break
+            if below is not None and self.fair_share.counter(seq.tenant) >= below:
                 break
             if self._can_never_fit(seq):
                 self._reject(seq)
@@ -304,7 +333,14 @@ class Scheduler:
             self.table.admit(seq)
             cached_block_ids = self.kv_cache_manager.take_admitted_cache_blocks(seq)
             self._record_first_admission(seq, cached_block_ids)
-            step.add_chunk(seq, num_tokens)
+            self.fair_share.charge_prompt(seq.tenant, 0, seq.num_computed_tokens)
+            self._add_prefill_chunk(step, seq, num_tokens)
+
+    def _add_prefill_chunk(self, step: StepBuilder, seq: Sequence, num_tokens: int) -> None:
+        """A prefill chunk, charged to seq's tenant as computed prompt tokens (outputs
+        recomputed after a preemption count as prompt: they are computed again)."""
+        step.add_chunk(seq, num_tokens)
+        self.fair_share.charge_prompt(seq.tenant, num_tokens)
 
     def _record_first_admission(self, seq: Sequence, cached_block_ids: list[int]) -> None:
         """num_cached_tokens: the prompt tokens reused when seq was first admitted."""
@@ -327,13 +363,13 @@ class Scheduler:
             self._cache_hits.append(hit)
 
     def _reserve_slots(self, step: StepBuilder, seq: Sequence, num_tokens: int) -> bool:
-        """allocate_slots, preempting the newest unscheduled running seq until it fits.
+        """allocate_slots, preempting an unscheduled running seq until it fits: the one
+        with the highest priority value (the lowest priority), the newest among equals.
 
         False when seq itself was the one preempted.
         """
         while not self.kv_cache_manager.allocate_slots(seq, num_tokens):
-            running = reversed(self.table.running)
-            victim = next(s for s in running if s.seq_id not in step.scheduled_ids)
+            victim = preemption_victim(self.table.running, step.scheduled_ids)
             self.table.preempt(victim)
             self.counters.num_preemptions += 1
             step.num_preempted += 1
@@ -407,6 +443,7 @@ class Scheduler:
     def _append_token(self, seq: Sequence, token: SampledToken) -> CompletionOutput:
         seq.output_token_ids.append(token.token_id)
         self.counters.num_generation_tokens += 1
+        self.fair_share.charge_output(seq.tenant)
         reason, stop_token_id = seq.check_stop(self.eos_token_ids, self.max_model_len)
         if reason is not None:
             self.kv_cache_manager.insert_prefix(seq)  # prompt + outputs, for the next turn

@@ -73,6 +73,10 @@ class Sequence:
     was_admitted: bool = False  # admitted at least once (num_cached_tokens is final)
     cache_diagnosis: CacheDiagnosis | None = None  # why the prompt missed (first admission)
     arrival_step: int = 0  # the scheduler step it arrived at, for the waiting-age bound
+    # Fair share (engine/core/fair_share.py): whose service this is, and its priority
+    # within the tenant (lower first; the lowest-priority running sequence is preempted first).
+    tenant: str = ""
+    priority: int = 0
     # sampling_params.prompt_logprobs: the logprobs of prompt tokens 1, 2, ... scored so far
     # (kept across preemptions: those positions are not scored again). None: not asked.
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -290,6 +294,8 @@ class Sequence:
             was_admitted=self.was_admitted,
             cache_diagnosis=self.cache_diagnosis,
             arrival_step=self.arrival_step,
+            tenant=self.tenant,
+            priority=self.priority,
         )
 
     def reset_for_recompute(self) -> None:

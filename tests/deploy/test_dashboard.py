@@ -57,13 +57,19 @@ REQUIRED_METRICS = {
     "kvshare_batch_size": "histogram",
     "kvshare_prefix_cache_miss_tokens_total": "counter",  # docs/cache-diagnostics.md
     "kvshare_prefix_cache_divergence_total": "counter",
+    # Fair share (docs/fair-scheduling.md)
+    "kvshare_tenant_generation_tokens_total": "counter",
+    "kvshare_tenant_prompt_tokens_total": "counter",
+    "kvshare_tenant_queue_time_seconds": "histogram",
+    "kvshare_tenant_rejections_total": "counter",
+    "kvshare_fair_share_counter_spread": "gauge",
 }
 # Label values the expressions may match on (docs/metrics.md, FinishReason).
 LABEL_VALUES = {
     "state": {"free", "private", "shared", "cached", "running", "waiting"},
     "kind": {"corruption", "drift"},
     "finish_reason": {"stop", "length", "abort", "error"},
-    "reason": set(CACHE_MISS_REASONS),
+    "reason": set(CACHE_MISS_REASONS) | {"running", "waiting", "prompt_tokens"},
 }
 
 
