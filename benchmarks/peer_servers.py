@@ -36,6 +36,7 @@ CMAKE_FLAGS = (
 # vLLM's CPU tuning as its docs give it (docs/getting_started/installation/cpu.md, "Related
 # runtime environment variables" and "Performance tips"): a KV space of its own size in GiB and
 # the OpenMP threads bound to the cores, here both cores with none reserved for the front end.
+VLLM_KV_CACHE_BYTES = 1 << 30
 VLLM_CPU_TUNING = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
@@ -128,8 +129,11 @@ def server_command(name: str, peers: Peers, port: int) -> tuple[list[str], str, 
         return command, f"http://127.0.0.1:{port}/health", {}
     if name in (VLLM, VLLM_TUNED):
         # Its `vllm` console script fails on the package name vllm-cpu; the module does not.
+        # Without a KV size it reserves 92% of the RAM and refuses to start on a shared machine;
+        # 1 GiB is kvshare's kv_cache_bytes.
         command = [str(peers.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
-                   "--model", str(peers.vllm_model), "--dtype", "float32", *host]  # fmt: skip
+                   "--model", str(peers.vllm_model), "--dtype", "float32",
+                   "--kv-cache-memory-bytes", str(VLLM_KV_CACHE_BYTES), *host]  # fmt: skip
         env = dict(VLLM_CPU_TUNING) if name == VLLM_TUNED else {}
         return command, f"http://127.0.0.1:{port}/health", env
     raise ValueError(f"unknown server {name!r}")
