@@ -98,6 +98,7 @@ def test_vllm_as_a_user_starts_it_and_tuned():
     assert command[command.index("--model") + 1] == "/m/dir"
     assert command[command.index("--dtype") + 1] == "float32"
     assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert command[command.index("--kv-cache-memory-bytes") + 1] == str(1 << 30)
     assert (ready, env) == ("http://127.0.0.1:9001/health", {})
     tuned, _, tuned_env = server_command("vllm-tuned", PEERS, 9001)
     assert tuned == command and tuned_env == peer_servers.VLLM_CPU_TUNING
