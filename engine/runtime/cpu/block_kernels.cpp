@@ -161,13 +161,11 @@ struct Q6_K {
   }
 };
 
-// Output columns per tile: independent accumulator chains, all of them in registers (32
-// vector registers with AVX-512; half as many, each half as wide, below it).
-#ifdef __AVX512F__
-constexpr int kCols = 4;
-#else
+// Output columns per tile and activation rows per pass over a tile's expanded groups: every
+// accumulator and the rows' activations fit in registers with the expansion's temporaries.
+// Measured on SmolLM2's tensors (1 thread, AVX-512): 2 x 4 beat 4 x 4, 4 x 2 and 4 x 1 at 1
+// and 8 rows (benchmarks/README.md, "GGUF blocks as stored").
 constexpr int kCols = 2;
-#endif
 constexpr int kTileRows = 4;  // activation rows per pass over a tile's expanded groups
 
 // out[r, v0 + c] for r < kRows, c < kTileCols: the core of the kernel. Sizes known at compile
@@ -189,7 +187,7 @@ void tile(const float* x, const uint8_t* weight, float* out, int64_t v0, int in_
       xlo[r] = load(x + r * int64_t{in_features} + 32 * g);
       xhi[r] = load(x + r * int64_t{in_features} + 32 * g + kLanes);
     }
-// Unrolled: accumulators indexed by constants stay in registers.
+    // Unrolled: accumulators indexed by constants stay in registers.
 #pragma GCC unroll 4
     for (int c = 0; c < kTileCols; ++c) {
       const Group w = F::expand(rows[c] + offset, g % F::kGroups);
