@@ -29,12 +29,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.core.config import EngineConfig  # noqa: E402
-from engine.runtime.cpu.block_linear import BlockLinear, BlockWeight  # noqa: E402
-from engine.runtime.cpu.linear import PackedLinear  # noqa: E402
-from engine.runtime.cpu.native import load_library  # noqa: E402
-from engine.runtime.cpu.quant import Fp16Linear, can_quantize  # noqa: E402
-from engine.runtime.loader import kvshare_cache_dir, resolve_model_source  # noqa: E402
+from engine.core.config import EngineConfig
+from engine.runtime.cpu.block_linear import BlockLinear, BlockWeight
+from engine.runtime.cpu.linear import PackedLinear
+from engine.runtime.cpu.native import load_library
+from engine.runtime.cpu.quant import Fp16Linear, can_quantize
+from engine.runtime.loader import kvshare_cache_dir, resolve_model_source
 
 TENSORS = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight")
 HEAD = "token_embd.weight"
