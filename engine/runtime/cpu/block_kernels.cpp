@@ -16,27 +16,17 @@
 // columns (tiles), never the K reduction.
 //
 // Built into the same library as kernels.cpp (engine/runtime/cpu/native.py), with the same
-// ISA levels: GCC vector extensions of 16 floats, one AVX-512 register, two AVX2 or four SSE.
+// ISA levels (vectors.h). The horizontal sum (vectors.h) is the one reduction order of every
+// output element.
 
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float vfloat __attribute__((vector_size(kLanes * 4)));
+#include "vectors.h"
+
 typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
-typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
-typedef float vfloat8 __attribute__((vector_size(32)));
-typedef float vfloat4 __attribute__((vector_size(16)));
-
-inline vfloat splat(float x) { return vfloat{} + x; }
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 inline vbyte load_bytes(const uint8_t* p) {
   vbyte v;
@@ -68,15 +58,6 @@ inline float half(const uint8_t* p) {
   _Float16 h;
   std::memcpy(&h, p, sizeof(h));
   return static_cast<float>(h);
-}
-
-// Horizontal sum as a tree of halves, the one reduction order of every output element.
-inline float sum(vfloat v) {
-  const vfloat8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vfloat4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) +
-                     __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
-  return (v4[0] + v4[2]) + (v4[1] + v4[3]);
 }
 
 // One 32-weight group as two vectors: weights 0-15 and 16-31 of the group.

@@ -27,20 +27,11 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float vfloat __attribute__((vector_size(kLanes * 4)));
-typedef int32_t vint __attribute__((vector_size(kLanes * 4)));
+#include "vectors.h"
+
 typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
 typedef uint16_t vbf16 __attribute__((vector_size(kLanes * 2)));
 using bf16 = uint16_t;
-
-inline vfloat splat(float x) { return vfloat{} + x; }
-
-inline vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 inline vfloat load(const bf16* p) {
   vbf16 raw;
@@ -65,18 +56,6 @@ inline void store_one(float x, bf16* p) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
   *p = static_cast<bf16>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-typedef float vfloat8 __attribute__((vector_size(32)));
-typedef float vfloat4 __attribute__((vector_size(16)));
-
-// Horizontal sum as a tree of halves (a loop of scalar adds would be one long dependency chain).
-inline float sum(vfloat v) {
-  const vfloat8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vfloat4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) +
-                     __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
-  return (v4[0] + v4[2]) + (v4[1] + v4[3]);
 }
 
 inline float max(vfloat v) {

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 # kernels.cpp: attention and the fused elementwise ops; block_kernels.cpp: linears on GGUF blocks.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "block_kernels.cpp"))
+HEADERS = (Path(__file__).with_name("vectors.h"),)  # included by both: part of the build key
 # -Wno-psabi: 64-byte vectors below AVX-512 change a calling convention, but only between the
 # source's own inlined helpers, never across the library's C entry points.
 BASE_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-Wno-psabi")
@@ -171,7 +172,7 @@ def _build_key(compiler: str, isa: str) -> str:
 
 def _sources_digest():
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     return digest
 
