@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import APIError, error_response, install_error_handlers
 from app.metrics import ServerMetrics
 from app.openapi import install_openapi
-from app.routes import chat, completions, debug, health, metrics, models
+from app.routes import chat, completions, debug, health, metrics, models, responses
 from app.routes.deps import ServerState
 from app.serving import RequestRecord
 from app.settings import Settings
@@ -56,7 +56,7 @@ def create_app(engine_client: EngineClient, settings: Settings) -> FastAPI:
     )
     app.state.kvshare = state
     install_error_handlers(app)
-    for module in (chat, completions, models, health, metrics, debug):
+    for module in (chat, completions, models, health, metrics, debug, responses):
         app.include_router(module.router)
     install_openapi(app, settings)
     return app

@@ -24,6 +24,7 @@ ROOTS = (
     "CreateCompletionResponse",
     "ListModelsResponse",
     "ErrorResponse",
+    "Response",
 )
 _BASE_URI = "urn:openai-openapi"
 
