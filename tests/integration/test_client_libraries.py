@@ -10,7 +10,7 @@ import asyncio
 import enum
 import json
 import os
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -106,14 +106,34 @@ def _pydantic_ai_tool_texts(result) -> list[tuple[str, str]]:
     ]
 
 
+class Place(BaseModel):
+    city: Literal["Paris", "Rome"]
+    color: Color
+
+
+class Visitor(BaseModel):
+    """Nested, fields not sorted, every value an enum: pydantic-ai's strict tool schema drops
+    maxLength and numeric bounds, so free strings or numbers would let the tiny model run past
+    max_tokens inside one value; enums bound the output whatever the model does."""
+
+    name: Literal["Ann", "Bob"]
+    home: Place
+    favourite: Color
+
+
 def test_pydantic_ai_output_type_with_nested_model(server_url, model):
+    """pydantic-ai's final_result tool (strict, tool_choice required) with a nested model."""
     from pydantic_ai import Agent
 
-    agent = Agent(_pydantic_ai_model(server_url, model), output_type=Person, retries=0)
+    agent = Agent(_pydantic_ai_model(server_url, model), output_type=Visitor, retries=0)
     result = agent.run_sync(ASK, model_settings={"max_tokens": MAX_TOKENS, "seed": 1})
-    assert isinstance(result.output, Person)
+    assert isinstance(result.output, Visitor)
     (final,) = [text for name, text in _pydantic_ai_tool_texts(result) if name == "final_result"]
-    _check_json(final)
+    schema = Visitor.model_json_schema()
+    assert "$defs" in schema  # the nested model goes out as a $ref
+    instance = json.loads(final)
+    check_key_order(instance, schema, schema)
+    Visitor.model_validate(instance)
 
 
 def test_pydantic_ai_with_a_tool(server_url, model):
