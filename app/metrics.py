@@ -177,6 +177,8 @@ class ServerMetrics:
             ["segment"],
             registry=self.registry,
         )
+        for segment in _SEGMENT_LABELS:  # exported at 0 from the start: rate() needs a series
+            self.cache_divergence.labels(segment)
         self.grammar_compile = histogram(
             "kvshare_grammar_compile_seconds",
             "Seconds to compile a structured-output grammar (cache misses only).",
@@ -223,6 +225,8 @@ class ServerMetrics:
             ["tenant", "reason"],
             registry=self.registry,
         )
+        for reason in ("running", "waiting", "prompt_tokens"):  # at 0 until the first 429
+            self.tenant_rejections.labels(DEFAULT_TENANT_LABEL, reason)
 
     # -- observed by the app ----------------------------------------------------------------
 
