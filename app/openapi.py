@@ -52,6 +52,7 @@ _GENERATION = (400, 404, 413, 429, 500, 503)
 ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/chat/completions", "post"): _GENERATION,
     ("/v1/completions", "post"): _GENERATION,
+    ("/v1/responses", "post"): _GENERATION,
     ("/v1/models", "get"): (500, 503),
     ("/v1/models/{model}", "get"): (404, 500, 503),
     ("/health", "get"): (500,),
@@ -59,6 +60,7 @@ ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("/metrics", "get"): (500,),
     ("/debug/faults", "post"): (400, 403, 409, 413, 500, 503),
     ("/debug/kv_blocks", "get"): (404, 500, 503),
+    ("/debug/cache_report", "get"): (400, 404, 500, 503),
 }
 KEYED_PREFIXES = ("/v1/", "/debug/")  # app/server.py's ApiKeyMiddleware guards these
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
