@@ -184,7 +184,9 @@ def test_agents_sdk_with_a_function_tool(server_url, model):
         instructions="Register the person the user describes.",
         model=OpenAIChatCompletionsModel(model=model, openai_client=client),
         tools=[register],
-        model_settings=ModelSettings(tool_choice="required", max_tokens=MAX_TOKENS),
+        model_settings=ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, max_tokens=MAX_TOKENS
+        ),
         tool_use_behavior="stop_on_first_tool",
     )
     result = asyncio.run(Runner.run(agent, ASK, max_turns=2))
