@@ -1,7 +1,7 @@
 """Step profile: where one engine step goes on the CPU, each part beside this machine's bound.
 
     python benchmarks/profile_step.py [--repo DIR] [--steps 8] [--http-batches 1 8] \
-        [--out benchmarks/results/profile_after.json]
+        [--quantization none] [--native-decode off] [--out benchmarks/results/profile_after.json]
 
 The default model (SmolLM2-135M-Instruct) with config/cpu.yaml's engine settings, in an offline
 LLMEngine: decode steps at 1, 8 and 32 sequences (~240-token prompts) and one 512-token
@@ -15,6 +15,8 @@ count for the outer one only:
   attention     the backend's store_kv and forward (KV writes and paged attention; where
                 rope is fused into the KV store, CpuFusedOps.rope_store, that too)
   elementwise   RMSNorm, rope, SiLU-and-mul (fused or torch), embedding and rope-table lookups
+  native layers a decode-only step's whole layer stack in one native call (NativeDecodeStep.run,
+                quantization native / q8_0): projections, attention and elementwise together
   LM head       compute_logits (the [N, E] x [E, V] matmul)
   sampling      the sampler
   scheduling    scheduler.schedule and update_from_output
@@ -24,7 +26,10 @@ count for the outer one only:
 
 Bounds, measured here first: read bandwidth (a large tensor's sum) and the best GEMM rate
 (F.linear / packed oneDNN at 512 rows). A bucket's bound is max(bytes it must move / bandwidth,
-FLOPs / GEMM rate): weights and KV are read once, activations read and written once.
+FLOPs / GEMM rate): weights and KV are read once, activations read and written once. Weight
+bytes are those the model holds (GGUF blocks, fp16, fp32), so "weights GB/s" = the weight bytes a
+step reads / the step's time, and its fraction of the measured read bandwidth, are the figures
+the CPU-speed goal is stated in.
 
 The HTTP front end's share: the same requests (token-id prompts, 64 output tokens, ignore_eos)
 run offline and over a real `kvshare serve --config config/cpu.yaml` (streaming
@@ -55,7 +60,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PROMPT_TOKENS = 240
 PREFILL_TOKENS = 512
-BUCKETS = ("projections", "attention", "elementwise", "LM head", "sampling", "scheduling")
+BUCKETS = (
+    "projections", "attention", "elementwise", "native layers", "LM head", "sampling", "scheduling"
+)  # fmt: skip
 # (module, attribute path, bucket): what the hooks wrap; a missing one is skipped (older trees).
 HOOKS = (
     ("engine.runtime.cpu.linear", "PackedLinear.forward", "projections"),
@@ -75,6 +82,8 @@ HOOKS = (
     ("engine.runtime.cpu.fused", "CpuFusedOps.rope_store", "attention"),
     ("torch.nn", "Embedding.forward", "elementwise"),
     ("engine.runtime.models.llama", "LlamaForCausalLM.compute_logits", "LM head"),
+    # Newer trees: a decode-only step's whole layer stack in one native call (decode_step.cpp).
+    ("engine.runtime.cpu.decode_step", "NativeDecodeStep.run", "native layers"),
     ("engine.runtime.sampler", "Sampler.__call__", "sampling"),
     ("engine.core.scheduler", "Scheduler.schedule", "scheduling"),
     ("engine.core.scheduler", "Scheduler.update_from_output", "scheduling"),
@@ -189,32 +198,66 @@ def measure_machine(torch) -> dict:
     return {"read_gbs": read_gbs, "copy_gbs": copy_gbs, "gemm_gflops": rates, "peak_gflops": peak}
 
 
-def bounds_ms(spec, row: dict, machine: dict) -> dict:
-    """Each bucket's floor in ms for one step (fp32): row["rows"] tokens through the layers,
-    row["kv_read"] KV positions read and row["pairs"] (query, key) pairs attended per layer,
-    row["sampled"] rows through the LM head and the sampler."""
+# Bytes a projection's weight takes per weight, by the class that holds it (BlockLinear: its
+# blocks' own size); anything else holds its weight in the parameter's dtype.
+_BYTES_PER_WEIGHT = {"Fp16Linear": 2, "Int8Linear": 1}
+
+
+def _linear_bytes(module) -> int | None:
+    """The bytes a linear layer reads per step (its weight as held), None for other modules."""
+    blocks = getattr(module, "block_weight", None)
+    if blocks is not None and hasattr(module, "out_features"):
+        return blocks.data.numel()
+    if not (hasattr(module, "in_features") and hasattr(module, "out_features")):
+        return None
+    per_weight = _BYTES_PER_WEIGHT.get(type(module).__name__)
+    if per_weight is None:
+        weight = getattr(module, "weight", None)
+        per_weight = 4 if weight is None else weight.element_size()
+    return module.in_features * module.out_features * per_weight
+
+
+def weight_bytes(model) -> dict:
+    """The weight bytes one step reads as the model holds them: the layers' projections and
+    the LM head (a tied head's copy or shared blocks: whatever compute_logits reads)."""
+    layers = sum(b for m in model.model.layers.modules() if (b := _linear_bytes(m)) is not None)
+    spec = model.spec
+    head = model.lm_head
+    head_bytes = _linear_bytes(head) if head is not None else None
+    if head_bytes is None:  # a tied, unpacked head reads the fp32 table
+        head_bytes = spec.vocab_size * spec.hidden_size * 4
+    return {"layers": layers, "head": head_bytes}
+
+
+def bounds_ms(spec, row: dict, machine: dict, weights: dict) -> dict:
+    """Each bucket's floor in ms for one step: row["rows"] tokens through the layers (weights
+    as held: `weights`, from weight_bytes(); activations fp32), row["kv_read"] KV positions read
+    and row["pairs"] (query, key) pairs attended per layer, row["sampled"] rows through the LM
+    head and the sampler. The native layer stack's floor is the three it runs together."""
     E, L, V = spec.hidden_size, spec.num_layers, spec.vocab_size
     inter = spec.intermediate_size
     kv, q = spec.num_kv_heads * spec.head_dim, spec.num_heads * spec.head_dim
     rows, sampled = row["rows"], row["sampled"]
     bw, peak = machine["read_gbs"] * 1e9, machine["peak_gflops"] * 1e9
 
-    def floor(num_floats: float, flops: float = 0.0) -> float:
-        return 1000 * max(4 * num_floats / bw, flops / peak)
+    def floor(num_bytes: float, flops: float = 0.0) -> float:
+        return 1000 * max(num_bytes / bw, flops / peak)
 
-    weights = L * (E * (q + 2 * kv) + q * E + E * 2 * inter + inter * E)
+    num_weights = L * (E * (q + 2 * kv) + q * E + E * 2 * inter + inter * E)
     activations = L * rows * ((E + q + 2 * kv) + (q + E) + (E + 2 * inter) + (inter + E))
     attention = L * (2 * row["kv_read"] * kv + rows * (2 * q + 2 * kv))
     # Two RMSNorms and two residual adds (read + write E each), rope on q and k, SiLU-and-mul.
     elementwise = L * rows * (8 * E + 2 * (q + kv) + 3 * inter) + rows * E
-    return {
-        "projections": floor(weights + activations, 2 * rows * weights),
-        "attention": floor(attention, L * 4 * q * row["pairs"]),
-        "elementwise": floor(elementwise),
-        "LM head": floor(V * E, 2 * sampled * V * E) if sampled else 0.0,
-        "sampling": floor(sampled * V),
+    bounds = {
+        "projections": floor(weights["layers"] + 4 * activations, 2 * rows * num_weights),
+        "attention": floor(4 * attention, L * 4 * q * row["pairs"]),
+        "elementwise": floor(4 * elementwise),
+        "LM head": floor(weights["head"], 2 * sampled * V * E) if sampled else 0.0,
+        "sampling": floor(4 * sampled * V),
         "scheduling": 0.0,
     }
+    bounds["native layers"] = sum(bounds[k] for k in ("projections", "attention", "elementwise"))
+    return bounds
 
 
 # ---------------------------------------------------------------- engine runs
@@ -409,14 +452,16 @@ def format_tables(machine: dict, rows: list[dict], http: list[dict], cost_us: fl
         f"fp32 GFLOP/s (576 x 3072, F.linear / oneDNN packed): {rates}; "
         f"timer cost {cost_us:.2f} us per timed call.",
         "",
-        "| step | total ms (timed) | " + " | ".join(f"{b} ms (bound)" for b in BUCKETS)
-        + " | Python/glue ms |",
-        "|---|---|" + "---|" * (len(BUCKETS) + 1),
+        "| step | total ms (timed) | weight MB read | weights GB/s (of read bw) | "
+        + " | ".join(f"{b} ms (bound)" for b in BUCKETS) + " | Python/glue ms |",
+        "|---|---|---|---|" + "---|" * (len(BUCKETS) + 1),
     ]  # fmt: skip
     for row in rows:
         cells = [f"{row['bucket_ms'][b]:.2f} ({row['bounds_ms'][b]:.2f})" for b in BUCKETS]
+        fraction = row["weight_gbs"] / machine["read_gbs"]
         lines.append(
             f"| {row['name']} | {row['step_ms']:.1f} ({row['timed_step_ms']:.1f}) | "
+            f"{row['weight_mb']:.1f} | {row['weight_gbs']:.1f} ({100 * fraction:.0f}%) | "
             + " | ".join(cells) + f" | {row['python_ms']:.2f} |"
         )  # fmt: skip
     if http:
@@ -441,6 +486,10 @@ def _parse_args(argv):
         "--threads", type=int, default=None, help="torch threads (default: cpu.yaml)"
     )
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--quantization", default=None, help="default: cpu.yaml's")
+    parser.add_argument(
+        "--native-decode", choices=("on", "off"), default=None, help="default: cpu.yaml's"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     args = parser.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
@@ -474,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     config = dataclasses.replace(config, audit_sample_rate=0.0)
     if args.threads is not None:
         config = dataclasses.replace(config, num_threads=args.threads)
+    if args.quantization is not None:
+        config = dataclasses.replace(config, quantization=args.quantization)
+    if args.native_decode is not None:  # a tree that has the setting
+        config = dataclasses.replace(config, native_decode=args.native_decode == "on")
     engine = LLMEngine(config)
     spec = LlamaSpec.from_hf_config(engine.runner.hf_config)
     timers = Timers()
@@ -483,8 +536,11 @@ def main(argv: list[str] | None = None) -> int:
     profile_decode(engine, timers, 2, 2, rng)  # warm-up: allocator, kernel library, caches
     rows = [profile_decode(engine, timers, b, args.steps, rng) for b in args.batches]
     rows.append(profile_prefill(engine, timers, args.prefill_repeats, rng))
+    weights = weight_bytes(engine.runner.model)
     for row in rows:
-        row["bounds_ms"] = bounds_ms(spec, row, machine)
+        row["bounds_ms"] = bounds_ms(spec, row, machine, weights)
+        row["weight_mb"] = (weights["layers"] + (weights["head"] if row["sampled"] else 0)) / 1e6
+        row["weight_gbs"] = row["weight_mb"] / row["step_ms"]  # MB per ms = GB/s
         timed = sum(row["bucket_ms"].values()) + 1000 * cost * row["timed_calls"]
         row["python_ms"] = max(0.0, row["timed_step_ms"] - timed)
     print(f"clock: {args.clock}, {torch.get_num_threads()} threads", flush=True)

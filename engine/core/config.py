@@ -67,6 +67,7 @@ class EngineConfig:
     fair_share_output_weight: float = 2.0
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs
+    native_decode: bool = True  # CPU, block weights: decode steps' layers in one native call
     num_threads: int | None = None  # CPU: torch threads (None: torch's default)
     cache_dir: str | None = None  # None: $KVSHARE_CACHE_DIR or ~/.cache/kvshare
     # Shadow audit of the prefix cache (engine/audit/auditor.py): the fraction of cache hits whose

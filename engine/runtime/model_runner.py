@@ -23,6 +23,7 @@ from engine.core.spec_ngram import verify_specs
 from engine.runtime.attention.base import AttentionMetadata
 from engine.runtime.attention.select import get_attention_backend
 from engine.runtime.cpu.allocator import keep_temporaries_on_heap
+from engine.runtime.cpu.decode_step import NativeDecodeStep
 from engine.runtime.cpu.fused import CpuFusedOps
 from engine.runtime.cpu.linear import can_pack
 from engine.runtime.cuda_graph_runner import CudaGraphRunner, graphs_disabled_reason
@@ -160,7 +161,10 @@ class ModelRunner:
             config.attention_backend, self.device, kvshare_cache_dir(config) / "kernels"
         )
         if self.attn_backend.name == "cpu":  # its library also has the fused elementwise ops
-            self.model.use_fused_ops(CpuFusedOps(self.attn_backend.library))
+            library = self.attn_backend.library
+            self.model.use_fused_ops(CpuFusedOps(library))
+            if config.native_decode and hasattr(self.model, "use_native_decode"):
+                self.model.use_native_decode(NativeDecodeStep.for_model(self.model, library))
         self.grammar_matchers = GrammarMatchers(self.model_info.vocab_size)
         self.sampler = Sampler(self.model_info.eos_token_ids, self.grammar_matchers)
         self._capture_seq_ids: set[int] = set()  # the auditor's (the warm-up samples too)

@@ -39,8 +39,12 @@ from engine.runtime.cpu import capabilities
 
 logger = logging.getLogger(__name__)
 
-# kernels.cpp: attention and the fused elementwise ops; block_kernels.cpp: linears on GGUF blocks.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "block_kernels.cpp"))
+# kernels.cpp: attention and the fused elementwise ops; block_kernels.cpp: linears on GGUF blocks;
+# decode_step.cpp: a decode step's layer stack calling both.
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("kernels.cpp", "block_kernels.cpp", "decode_step.cpp")
+)
 HEADERS = (Path(__file__).with_name("vectors.h"),)  # included by both: part of the build key
 # -Wno-psabi: 64-byte vectors below AVX-512 change a calling convention, but only between the
 # source's own inlined helpers, never across the library's C entry points.
@@ -227,3 +231,5 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvshare_block_linear.argtypes = [int_, ptr, ptr, ptr, int_, int_, long_, int_]
     library.kvshare_block_rows.restype = int_
     library.kvshare_block_rows.argtypes = [int_, ptr, ptr, ptr, int_, int_]
+    library.kvshare_decode_layers.restype = int_
+    library.kvshare_decode_layers.argtypes = [*[ptr] * 12, float_, float_, int_]

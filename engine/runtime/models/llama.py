@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.runtime.attention.base import AttentionBackend, AttentionMetadata
+from engine.runtime.cpu.decode_step import NativeDecodeStep
 from engine.runtime.cpu.fused import CpuFusedOps
 from engine.runtime.cpu.linear import PackedLinear, pack_linears
 
@@ -310,6 +311,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not spec.tie_word_embeddings:
             self.lm_head = _linear(spec.hidden_size, spec.vocab_size, False, device, dtype)
+        self.native_decode: NativeDecodeStep | None = None  # set by use_native_decode()
 
     def forward(
         self,
@@ -321,6 +323,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run every layer over the flattened batch, writing K/V into the caches: [T, E]."""
         hidden = self.model.embed_tokens(input_ids)  # [T, E], a fresh tensor the adds may reuse
+        if self.native_decode is not None:  # a decode-only step: every layer in one native call
+            out = self.native_decode.run(hidden, positions, meta, kv_caches)
+            if out is not None:
+                return out
         rope = self.rotary.lookup(positions)
         delta = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
@@ -354,6 +360,11 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm | LlamaMLP | LlamaAttention):
                 module.fused = ops
+
+    def use_native_decode(self, step: NativeDecodeStep | None) -> None:
+        """Run decode-only steps through `step` (engine/runtime/cpu/decode_step.py: the same
+        kernels as the fused modules, with no Python between them); None: module by module."""
+        self.native_decode = step
 
     def pack_for_cpu(self) -> None:
         """Run every projection and the LM head on oneDNN with packed weights (see

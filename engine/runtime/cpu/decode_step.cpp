@@ -1,0 +1,140 @@
+// One decode step's layer stack in native code: for T sequences of one new token each, every
+// Llama layer (RMSNorm with the residual add, the fused q/k/v projection, rope with the KV
+// store, paged attention, the output projection, RMSNorm, gate/up, SiLU-and-multiply, down)
+// and the final norm, with no interpreter between the ops. Each op is the library's own entry
+// point (kernels.cpp, block_kernels.cpp), the same the torch model calls one by one, in the
+// same order on the same buffers: so the step computes exactly what the module-by-module
+// forward computes (engine/runtime/models/llama.py), which stays the reference.
+//
+// fp32 activations and KV caches, projections held as GGUF blocks, no biases, no q/k norms:
+// engine/runtime/cpu/decode_step.py checks those before it calls here, and keeps the buffers
+// (preallocated per batch-size bucket) and the per-layer pointer table.
+
+#include <cstdint>
+
+extern "C" {
+int kvshare_block_linear(int format, const float* x, const uint8_t* weight, float* out, int rows,
+                         int in_features, int64_t out_features, int num_threads);
+int kvshare_rms_norm(int dtype, const void* x, const void* weight, void* out, int64_t rows,
+                     int dim, float eps, int num_threads);
+int kvshare_add_rms_norm(int dtype, void* x, const void* delta, const void* weight, void* out,
+                         int64_t rows, int dim, float eps, int num_threads);
+int kvshare_rope_store(int dtype, const void* qkv, int64_t row_stride, const void* cos,
+                       const void* sin, const int64_t* slots, void* q_out, void* k_cache,
+                       void* v_cache, int64_t tokens, int heads, int kv_heads, int head_dim,
+                       int64_t num_slots, int num_threads);
+int kvshare_paged_decode(int dtype, const void* query, const void* k_cache, const void* v_cache,
+                         const int32_t* block_tables, const int32_t* seq_lens, void* out,
+                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                         int block_size, int max_blocks, float scale, int num_threads);
+int kvshare_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int inter,
+                     int num_threads);
+}
+
+namespace {
+
+constexpr int kFloat32 = 0;  // kernels.cpp's dtype code
+
+// The model's shape and the step's, as decode_step.py packs them (int64 each, in this order).
+struct Dims {
+  int64_t tokens, hidden, inter, heads, kv_heads, head_dim, layers, block_size, max_blocks,
+      num_slots;
+};
+
+// One layer's tensors, as decode_step.py packs them: 8 addresses, then 4 GGML format codes.
+struct Layer {
+  const float* input_norm;
+  const float* post_norm;
+  const uint8_t* qkv;
+  const uint8_t* o;
+  const uint8_t* gate_up;
+  const uint8_t* down;
+  float* k_cache;
+  float* v_cache;
+};
+constexpr int kLayerFields = 8;
+constexpr int kLayerFormats = 4;  // qkv, o, gate_up, down
+
+// The step's activations: every buffer [tokens, *] fp32, owned by the caller.
+struct Buffers {
+  float *normed, *qkv, *q, *attn, *delta, *gate_up, *act;
+};
+
+Layer layer_at(const int64_t* table, int i) {
+  const int64_t* p = table + int64_t{i} * kLayerFields;
+  return {reinterpret_cast<const float*>(p[0]),   reinterpret_cast<const float*>(p[1]),
+          reinterpret_cast<const uint8_t*>(p[2]), reinterpret_cast<const uint8_t*>(p[3]),
+          reinterpret_cast<const uint8_t*>(p[4]), reinterpret_cast<const uint8_t*>(p[5]),
+          reinterpret_cast<float*>(p[6]),         reinterpret_cast<float*>(p[7])};
+}
+
+// Attention: normed -> delta (the output projection's rows), K/V of the new tokens stored.
+int attention(const Dims& d, const Layer& w, const int32_t* formats, const Buffers& b,
+              const float* cos, const float* sin, const int64_t* slots,
+              const int32_t* block_tables, const int32_t* seq_lens, float scale, int threads) {
+  const int T = static_cast<int>(d.tokens), E = static_cast<int>(d.hidden);
+  const int64_t qkv_width = (d.heads + 2 * d.kv_heads) * d.head_dim;
+  const int64_t q_width = d.heads * d.head_dim;
+  int status = kvshare_block_linear(formats[0], b.normed, w.qkv, b.qkv, T, E, qkv_width, threads);
+  if (status) return status;
+  status = kvshare_rope_store(kFloat32, b.qkv, qkv_width, cos, sin, slots, b.q, w.k_cache,
+                              w.v_cache, T, d.heads, d.kv_heads, d.head_dim, d.num_slots, threads);
+  if (status) return 10 + status;
+  status = kvshare_paged_decode(kFloat32, b.q, w.k_cache, w.v_cache, block_tables, seq_lens,
+                                b.attn, T, d.heads, d.kv_heads, d.head_dim, d.block_size,
+                                d.max_blocks, scale, threads);
+  if (status) return 20 + status;
+  return kvshare_block_linear(formats[1], b.attn, w.o, b.delta, T, q_width, E, threads);
+}
+
+// MLP: normed -> delta.
+int mlp(const Dims& d, const Layer& w, const int32_t* formats, const Buffers& b, int threads) {
+  const int T = static_cast<int>(d.tokens), E = static_cast<int>(d.hidden);
+  const int I = static_cast<int>(d.inter);
+  int status = kvshare_block_linear(formats[2], b.normed, w.gate_up, b.gate_up, T, E, 2 * d.inter,
+                                    threads);
+  if (status) return status;
+  kvshare_silu_mul(kFloat32, b.gate_up, b.act, T, I, threads);
+  return kvshare_block_linear(formats[3], b.act, w.down, b.delta, T, I, E, threads);
+}
+
+}  // namespace
+
+extern "C" {
+
+// hidden [T, E]: the embedded tokens in, the residual stream out; out [T, E]: the final-normed
+// rows (LlamaForCausalLM.forward's result). buffers: 7 addresses (normed, qkv, q, attn, delta,
+// gate_up, act). 0 on success; otherwise the failing op's status (block_linear's 1-2, rope
+// store's + 10, paged decode's + 20), at the layer 100 * (layer + 1) adds.
+int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int32_t* formats,
+                          const int64_t* buffers, float* hidden, float* out, const float* cos,
+                          const float* sin, const int64_t* slots, const int32_t* block_tables,
+                          const int32_t* seq_lens, const float* final_norm, float eps,
+                          float scale, int threads) {
+  const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4],
+               dims[5], dims[6], dims[7], dims[8], dims[9]};
+  const Buffers b{reinterpret_cast<float*>(buffers[0]), reinterpret_cast<float*>(buffers[1]),
+                  reinterpret_cast<float*>(buffers[2]), reinterpret_cast<float*>(buffers[3]),
+                  reinterpret_cast<float*>(buffers[4]), reinterpret_cast<float*>(buffers[5]),
+                  reinterpret_cast<float*>(buffers[6])};
+  const int E = static_cast<int>(d.hidden);
+  for (int i = 0; i < d.layers; ++i) {
+    const Layer w = layer_at(layers, i);
+    const int32_t* f = formats + int64_t{i} * kLayerFormats;
+    if (i == 0)
+      kvshare_rms_norm(kFloat32, hidden, w.input_norm, b.normed, d.tokens, E, eps, threads);
+    else
+      kvshare_add_rms_norm(kFloat32, hidden, b.delta, w.input_norm, b.normed, d.tokens, E, eps,
+                           threads);
+    int status = attention(d, w, f, b, cos, sin, slots, block_tables, seq_lens, scale, threads);
+    if (status) return 100 * (i + 1) + status;
+    kvshare_add_rms_norm(kFloat32, hidden, b.delta, w.post_norm, b.normed, d.tokens, E, eps,
+                         threads);
+    status = mlp(d, w, f, b, threads);
+    if (status) return 100 * (i + 1) + status;
+  }
+  kvshare_add_rms_norm(kFloat32, hidden, b.delta, final_norm, out, d.tokens, E, eps, threads);
+  return 0;
+}
+
+}  // extern "C"

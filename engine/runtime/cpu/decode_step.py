@@ -1,0 +1,177 @@
+"""A decode step's layer stack in one native call (engine/runtime/cpu/decode_step.cpp).
+
+On a decode-only step of a model whose projections are GGUF blocks (quantization native or
+q8_0), LlamaForCausalLM.forward hands the embedded tokens to NativeDecodeStep.run(), which
+runs every layer and the final norm in C++: the same kernels, in the same order, on the same
+buffers as the module-by-module forward, so the result is bit-identical to it (the tests
+compare both), without the interpreter's per-op cost between the 9 ops of each layer.
+
+Checked once: the model's shape (fp32, no biases, no q/k norms, block projections, a head
+size the paged kernel covers). Checked once per step: a decode-only batch, fp32 contiguous
+caches, block tables inside the pool. Anything else returns None and the torch forward runs.
+Buffers are allocated per batch-size bucket (powers of two) and reused: no allocation per
+step beyond the step's own tables.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.runtime.attention.base import AttentionMetadata
+from engine.runtime.cpu.block_linear import BlockLinear
+
+_LANES = 16  # the kernels' vector width in floats
+_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@dataclass
+class _Bucket:
+    """Activation buffers for up to `rows` tokens, and their addresses as the kernel reads them."""
+
+    rows: int
+    tensors: list[torch.Tensor]  # normed, qkv, q, attn, delta, gate_up, act, out
+    addresses: torch.Tensor  # int64 [7]: the first seven's data pointers
+
+
+class NativeDecodeStep:
+    """The layer stack of decode-only steps for one block-quantized Llama model."""
+
+    def __init__(self, model: nn.Module, library: ctypes.CDLL) -> None:
+        self._model = model
+        self._run = library.kvshare_decode_layers
+        spec = model.spec
+        self._widths = (
+            spec.hidden_size,
+            (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim,
+            spec.num_heads * spec.head_dim,
+            spec.num_heads * spec.head_dim,
+            spec.hidden_size,
+            2 * spec.intermediate_size,
+            spec.intermediate_size,
+            spec.hidden_size,
+        )
+        layers = model.model.layers
+        self._formats = torch.tensor(
+            [[_block(layer, name).block_weight.code for name in _PROJECTIONS] for layer in layers],
+            dtype=torch.int32,
+        )
+        self._buckets: dict[int, _Bucket] = {}
+        self._layer_table: torch.Tensor | None = None
+        self._caches_key: tuple[int, ...] = ()
+        self.steps_run = 0  # decode steps served here (tests and the profile read it)
+
+    @classmethod
+    def for_model(cls, model: nn.Module, library: ctypes.CDLL) -> NativeDecodeStep | None:
+        """The native step for `model`, or None when the model is not one it computes exactly."""
+        spec = getattr(model, "spec", None)
+        if spec is None or not hasattr(library, "kvshare_decode_layers"):
+            return None
+        if spec.qkv_bias or spec.o_bias or spec.mlp_bias or spec.qk_norm:
+            return None
+        group = spec.num_heads // spec.num_kv_heads
+        if spec.num_heads % spec.num_kv_heads or not library.kvshare_supports_shape(
+            spec.head_dim, group
+        ):
+            return None
+        if (spec.head_dim // 2) % _LANES or spec.hidden_size % _LANES:
+            return None
+        if spec.intermediate_size % _LANES or model.rotary.cos.dtype != torch.float32:
+            return None
+        for layer in model.model.layers:
+            if any(_block(layer, name) is None for name in _PROJECTIONS):
+                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+                return None
+        return cls(model, library)
+
+    def run(
+        self,
+        hidden: torch.Tensor,  # [T, E] fp32, the embedded tokens: becomes the residual stream
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor | None:
+        """The final-normed rows [T, E] (a view of a reused buffer: read it before the next
+        step), or None for a step this path does not take (nothing was touched then)."""
+        num_tokens = hidden.shape[0]
+        if meta.num_decodes != meta.num_seqs or meta.num_seqs != num_tokens or not num_tokens:
+            return None
+        if hidden.dtype != torch.float32 or not hidden.is_contiguous():
+            return None
+        layer_table = self._layers(kv_caches)
+        if layer_table is None:
+            return None
+        k_cache = kv_caches[0][0]
+        num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+        tables = meta.block_tables[:num_tokens].to(torch.int32).contiguous()
+        if int(tables.max()) >= num_blocks or meta.max_seq_len > tables.shape[1] * block_size:
+            return None
+        seq_lens = meta.seq_lens[:num_tokens].to(torch.int32).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        rotary = self._model.rotary
+        cos, sin = rotary.cos[positions].contiguous(), rotary.sin[positions].contiguous()
+        bucket = self._bucket(num_tokens)
+        out = bucket.tensors[-1]
+        spec = self._model.spec
+        dims = torch.tensor(
+            [num_tokens, spec.hidden_size, spec.intermediate_size, spec.num_heads,
+             spec.num_kv_heads, spec.head_dim, spec.num_layers, block_size, tables.shape[1],
+             num_blocks * block_size],
+            dtype=torch.int64,
+        )  # fmt: skip
+        status = self._run(
+            dims.data_ptr(), layer_table.data_ptr(), self._formats.data_ptr(),
+            bucket.addresses.data_ptr(), hidden.data_ptr(), out.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
+            self._model.model.norm.weight.data_ptr(), spec.rms_norm_eps, spec.head_dim**-0.5,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"native decode step failed with status {status}")
+        self.steps_run += 1
+        return out[:num_tokens]
+
+    def _layers(self, kv_caches) -> torch.Tensor | None:
+        """The per-layer address table [L, 8], rebuilt only when the caches change."""
+        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if self._layer_table is not None and key == self._caches_key:
+            return self._layer_table
+        layers = self._model.model.layers
+        if len(kv_caches) != len(layers) or not all(_fp32_cache(k, v) for k, v in kv_caches):
+            return None
+        rows = []
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            weights = [_block(layer, name).block_weight.data for name in _PROJECTIONS]
+            rows.append([t.data_ptr() for t in (*norms, *weights, k_cache, v_cache)])
+        self._layer_table, self._caches_key = torch.tensor(rows, dtype=torch.int64), key
+        return self._layer_table
+
+    def _bucket(self, num_tokens: int) -> _Bucket:
+        rows = 1 << (num_tokens - 1).bit_length()  # the next power of two
+        bucket = self._buckets.get(rows)
+        if bucket is None:
+            tensors = [torch.empty((rows, width), dtype=torch.float32) for width in self._widths]
+            addresses = torch.tensor([t.data_ptr() for t in tensors[:-1]], dtype=torch.int64)
+            bucket = self._buckets[rows] = _Bucket(rows, tensors, addresses)
+        return bucket
+
+
+def _block(layer: nn.Module, name: str) -> BlockLinear | None:
+    module = layer.get_submodule(name)
+    return module if isinstance(module, BlockLinear) and module.bias is None else None
+
+
+def _fp32_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (
+        k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.shape == v_cache.shape
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.device.type == "cpu"
+    )

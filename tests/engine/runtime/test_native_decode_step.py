@@ -1,0 +1,140 @@
+"""The native decode step (engine/runtime/cpu/decode_step.cpp) against the torch model it
+replaces: the same block-quantized tiny Llama, module by module through the fused ops, is the
+reference; the native step must give the same hidden rows and write the same KV, bit for bit,
+and decline every step or model it does not compute exactly."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.core.batch import ScheduledSeq
+from engine.core.config import EngineConfig
+from engine.runtime.attention import cpu_native
+from engine.runtime.cpu import quant
+from engine.runtime.cpu.capabilities import available_isa_levels
+from engine.runtime.cpu.decode_step import NativeDecodeStep
+from engine.runtime.cpu.fused import CpuFusedOps
+from engine.runtime.cpu.native import load_library
+from engine.runtime.loader import load_model
+from engine.runtime.model_runner import prepare_inputs
+from tests.oracle import random_prompt
+
+pytestmark = [
+    pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler"),
+    pytest.mark.usefixtures("single_thread"),
+]
+CPU = torch.device("cpu")
+BLOCK_SIZE = 8
+
+
+@pytest.fixture(scope="module", params=available_isa_levels())
+def library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    return load_library(tmp_path_factory.getbasetemp() / "native-kernels", request.param)
+
+
+def block_model(library, model_dir):
+    """The tiny model with Q8_0 projections and head, through the fused ops (no native step)."""
+    model = load_model(EngineConfig(model=str(model_dir)), CPU, torch.float32).model
+    quant._replace_with_blocks(model, quant._q8_0_blocks(model), library)
+    model.use_fused_ops(CpuFusedOps(library))
+    return model
+
+
+def caches(model, num_blocks: int = 16):
+    spec = model.spec
+    shape = (num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
+    generator = torch.Generator().manual_seed(7)  # stale contents: never read past seq_lens
+    return [
+        (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+        for _ in range(spec.num_layers)
+    ]
+
+
+def run(model, backend, kv, make_step, seqs, num_decodes=0) -> torch.Tensor:
+    inputs = prepare_inputs(make_step(seqs, BLOCK_SIZE, num_decodes), CPU)
+    with torch.inference_mode():
+        hidden = model(inputs.input_ids, inputs.positions, inputs.meta, kv, backend)
+        return hidden.clone()  # the native step returns a reused buffer
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("num_rows", [1, 3, 8])
+def test_decode_steps_are_bit_identical_to_the_torch_model(
+    library, make_tiny_model, make_step, tied, num_rows
+) -> None:
+    model = block_model(library, make_tiny_model("llama", head_dim=64, tie_word_embeddings=tied))
+    step = NativeDecodeStep.for_model(model, library)
+    assert step is not None
+    backend = cpu_native.CpuNativeBackend(library)
+    prompts = [random_prompt(5 + i, seed=10 + i) for i in range(num_rows)]
+    tables = [[2 * i, 2 * i + 1] for i in range(num_rows)]
+    reference_kv, native_kv = caches(model), caches(model)
+    prefill = [ScheduledSeq(i, p, 0, tables[i]) for i, p in enumerate(prompts)]
+    for kv in (reference_kv, native_kv):
+        run(model, backend, kv, make_step, prefill)  # both through the torch path
+    tokens = [len(p) for p in prompts]
+    for offset in range(3):  # three decode steps, the same tokens fed to both
+        seqs = [
+            ScheduledSeq(i, [(17 * i + offset) % 250 + 3], tokens[i] + offset, tables[i])
+            for i in range(num_rows)
+        ]
+        model.use_native_decode(None)
+        expected = run(model, backend, reference_kv, make_step, seqs, num_rows)
+        model.use_native_decode(step)
+        got = run(model, backend, native_kv, make_step, seqs, num_rows)
+        assert torch.equal(got, expected)
+    assert step.steps_run == 3
+    for (k_ref, v_ref), (k_got, v_got) in zip(reference_kv, native_kv, strict=True):
+        assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+    logits = model.compute_logits(got)
+    reference_logits = F.linear(expected, _head_weight(model))
+    torch.testing.assert_close(logits, reference_logits, atol=1e-4, rtol=1e-4)
+
+
+def _head_weight(model) -> torch.Tensor:
+    return model.lm_head.block_weight.dequantize()
+
+
+def test_mixed_and_prefill_steps_take_the_torch_path(library, make_tiny_model, make_step) -> None:
+    model = block_model(library, make_tiny_model("llama", head_dim=64))
+    step = NativeDecodeStep.for_model(model, library)
+    model.use_native_decode(step)
+    backend = cpu_native.CpuNativeBackend(library)
+    kv = caches(model)
+    a, b = random_prompt(12, seed=1), random_prompt(9, seed=2)
+    run(model, backend, kv, make_step, [ScheduledSeq(0, a[:11], 0, [0, 1])])
+    mixed = [ScheduledSeq(0, a[11:12], 11, [0, 1]), ScheduledSeq(1, b, 0, [2, 3])]
+    run(model, backend, kv, make_step, mixed, 1)
+    assert step.steps_run == 0
+    run(model, backend, kv, make_step, [ScheduledSeq(0, [5], 12, [0, 1])], 1)
+    assert step.steps_run == 1
+
+
+def test_models_it_does_not_compute_exactly_are_declined(library, make_tiny_model) -> None:
+    exact = load_model(
+        EngineConfig(model=str(make_tiny_model("llama", head_dim=64))), CPU, torch.float32
+    ).model
+    assert NativeDecodeStep.for_model(exact, library) is None  # fp32 nn.Linear projections
+    small_heads = block_model(library, make_tiny_model("llama"))  # head_dim 16
+    assert NativeDecodeStep.for_model(small_heads, library) is None
+    biased = block_model(library, make_tiny_model("qwen2", head_dim=64))  # q/k/v biases
+    assert NativeDecodeStep.for_model(biased, library) is None
+    normed = block_model(library, make_tiny_model("qwen3", head_dim=64))  # q/k norms
+    assert NativeDecodeStep.for_model(normed, library) is None
+
+
+def test_a_bf16_cache_is_declined_untouched(library, make_tiny_model, make_step) -> None:
+    model = block_model(library, make_tiny_model("llama", head_dim=64))
+    step = NativeDecodeStep.for_model(model, library)
+    spec = model.spec
+    shape = (16, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
+    kv = [(torch.zeros(shape, dtype=torch.bfloat16),) * 2 for _ in range(spec.num_layers)]
+    inputs = prepare_inputs(make_step([ScheduledSeq(0, [5], 3, [0])], BLOCK_SIZE, 1), CPU)
+    hidden = model.model.embed_tokens(inputs.input_ids)
+    before = hidden.clone()
+    assert step.run(hidden, inputs.positions, inputs.meta, kv) is None
+    assert torch.equal(hidden, before)
