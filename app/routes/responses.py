@@ -74,7 +74,9 @@ async def list_input_items(
     order: Literal["asc", "desc"] = "desc",
     after: str | None = None,
     before: str | None = None,
-    include: Annotated[list[str], Query(max_length=0)] | None = None,
+    include: Annotated[list[str] | None, Query()] = None,
 ) -> JSONResponse:
+    if include:
+        raise ParamError("include", f"include: {include[0]!r} is not supported")
     stored = await store.retrieve(record, cache_salt, response_id)
     return JSONResponse(items_page(stored.input_items, limit, order, after, before))
