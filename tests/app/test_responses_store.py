@@ -257,3 +257,21 @@ async def test_responses_survive_a_new_app_on_the_same_file(engine, tokenizer_di
         assert fetched.status_code == 200 and fetched.json() == created
         second = await create(client, input="more", previous_response_id=created["id"])
     assert json.dumps(second["previous_response_id"]) == json.dumps(created["id"])
+
+
+async def test_an_expired_response_reads_as_unknown(engine) -> None:
+    """The store's clock, moved past store_ttl_seconds (no waiting)."""
+    async with open_client(engine, make_settings(store_ttl_seconds=60.0)) as client:
+        store = client.app.state.kvshare.responses.store
+        now = [store.clock()]
+        store.clock = lambda: now[0]
+        created = await create(client, input="hi")
+        now[0] += 59.0
+        assert (await client.get(f"/v1/responses/{created['id']}")).status_code == 200
+        now[0] += 1.0
+        assert_error(await client.get(f"/v1/responses/{created['id']}"), 404, None)
+        body = {"model": MODEL, "input": "more", "previous_response_id": created["id"]}
+        assert_error(await client.post("/v1/responses", json=body), 404, "previous_response_id")
+        text = (await client.get("/metrics")).text
+    assert 'kvshare_response_store_evictions_total{reason="ttl"} 1.0' in text
+    assert "kvshare_stored_responses 0.0" in text
