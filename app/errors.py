@@ -122,10 +122,11 @@ def error_response(error: APIError) -> JSONResponse:
 def param_path(loc: Sequence[str | int]) -> str | None:
     """A pydantic error location as a field path, union-member names dropped.
 
-    ('body', 'messages', 0, 'content', 'list[TextPart]', 1, 'type') -> messages[0].content[1].type
+    ('body', 'messages', 0, 'content', 'list[TextPart]', 1, 'type') -> messages[0].content[1].type;
+    ('query', 'limit') -> limit
     """
     parts: list[str] = []
-    items = list(loc[1:] if loc and loc[0] == "body" else loc)
+    items = list(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc)
     for position, item in enumerate(items):
         if item == "[key]" or items[position + 1 : position + 2] == ["[key]"]:
             continue  # a mapping's bad key (and its marker) is no field name

@@ -29,6 +29,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from app.response_store import EVICTION_REASONS
 from engine.core.protocol import CACHE_MISS_REASONS, EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -190,6 +191,7 @@ class ServerMetrics:
             _TOKEN_GAP_BUCKETS,
         )
         self._define_tenant_metrics()
+        self._define_store_metrics()
         self.audit_max_abs_diff = histogram(
             "kvshare_cache_audit_max_abs_diff",
             "Largest |cached - recomputed| difference (reused K/V or last-prompt logits) "
@@ -228,7 +230,38 @@ class ServerMetrics:
         for reason in ("running", "waiting", "prompt_tokens"):  # at 0 until the first 429
             self.tenant_rejections.labels(DEFAULT_TENANT_LABEL, reason)
 
+    def _define_store_metrics(self) -> None:
+        self.stored_responses = Gauge(
+            "kvshare_stored_responses",
+            "Responses in the response store (store: true), every tenant's.",
+            registry=self.registry,
+        )
+        self.response_store_bytes = Gauge(
+            "kvshare_response_store_bytes",
+            "Bytes of the stored responses (their JSON bodies), bounded by store_max_bytes.",
+            registry=self.registry,
+        )
+        self.response_store_evictions = Counter(
+            "kvshare_response_store_evictions",
+            "Stored responses evicted, by reason: ttl (older than store_ttl_seconds), count "
+            "(over store_max_responses), bytes (over store_max_bytes).",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in EVICTION_REASONS:  # exported at 0 from the start: rate() needs a series
+            self.response_store_evictions.labels(reason)
+
     # -- observed by the app ----------------------------------------------------------------
+
+    def observe_response_store(
+        self, num_responses: int, num_bytes: int, evictions: dict[str, int]
+    ) -> None:
+        """The response store's size after a change, and what that change evicted."""
+        self.stored_responses.set(num_responses)
+        self.response_store_bytes.set(num_bytes)
+        for reason, num_evicted in evictions.items():
+            if num_evicted:
+                self.response_store_evictions.labels(reason).inc(num_evicted)
 
     def observe_cache_divergence(self, segment: dict | None) -> None:
         """A diagnosed request's first unmatched token fell in `segment` (None: full hit)."""

@@ -37,9 +37,9 @@ def echoed_fields(request: ResponsesRequest, model: str) -> dict[str, Any]:
         "max_output_tokens": request.max_output_tokens,
         "metadata": request.metadata or {},
         "parallel_tool_calls": request.parallel_tool_calls is not False,
-        "previous_response_id": None,
+        "previous_response_id": request.previous_response_id,
         "reasoning": None,
-        "store": False,  # no store yet: nothing is kept, and the response says so
+        "store": request.is_stored,  # the route says false if the store could not keep it
         "temperature": 1.0 if request.temperature is None else request.temperature,
         "top_p": 1.0 if request.top_p is None else request.top_p,
         "text": {"format": (request.text and request.text.format) or {"type": "text"}},

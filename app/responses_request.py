@@ -19,7 +19,6 @@ from engine.core.errors import ParamError
 _UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "reasoning": (None, "reasoning options are not supported"),
     "background": (False, "background responses are not supported"),
-    "previous_response_id": (None, "stored responses are not supported yet"),
     "conversation": (None, "conversations are not supported"),
     "prompt": (None, "prompt templates are not supported"),
 }
@@ -95,11 +94,16 @@ class ResponsesRequest(RequestModel):
             tools.append(ResponseFunctionTool.model_validate(tool))
         return tools
 
-    def to_chat_request(self) -> ChatCompletionRequest:
-        """The chat request that serves this one; ParamError names our fields."""
+    @property
+    def is_stored(self) -> bool:
+        return self.store is not False  # OpenAI's default: stored
+
+    def to_chat_request(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+        """The chat request that serves this one, after `history` (the items of the chain
+        previous_response_id continues); ParamError names our fields."""
         self.check_unsupported()
         tools = self.function_tools()
-        body: dict[str, Any] = {"model": self.model, "messages": self.messages()}
+        body: dict[str, Any] = {"model": self.model, "messages": self.messages(history or [])}
         optional = {
             "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature,
@@ -127,22 +131,28 @@ class ResponsesRequest(RequestModel):
         spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
 
-    def messages(self) -> list[dict[str, Any]]:
-        """The chat messages: instructions as the system message, then the input items."""
+    def messages(self, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The chat messages: instructions as the system message, then the chain's items
+        (`history`, already valid), then the input items."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
-        if not self.input:
+            given = [{"type": "message", "role": "user", "content": self.input}]
+        elif not self.input:
             raise ParamError("input", "input must not be empty")
-        return messages + input_messages(self.input)
+        else:
+            given = self.input
+        return messages + input_messages([*history, *given], num_history=len(history))
 
 
-def input_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Input items as chat messages: consecutive function_calls make one assistant message."""
+def input_messages(items: list[dict[str, Any]], num_history: int = 0) -> list[dict[str, Any]]:
+    """Input items as chat messages: consecutive function_calls make one assistant message.
+
+    The first `num_history` items are a stored chain's (errors name the input items after
+    them); a function_call_output may answer a call of the chain or of the input."""
     messages: list[dict[str, Any]] = []
     call_ids: set[str] = set()
     for number, item in enumerate(items):
-        where = f"input[{number}]"
+        where = f"input[{number - num_history}]" if number >= num_history else "history"
         if not isinstance(item, dict):
             raise ParamError(where, f"{where} must be an object")
         kind = item.get("type", "message")
@@ -204,7 +214,10 @@ def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
 def _function_output(item: dict[str, Any], where: str, call_ids: set[str]) -> dict[str, Any]:
     call_id = _string(item, "call_id", where)
     if call_id not in call_ids:
-        message = f"{where}.call_id {call_id!r} matches no function_call before it"
+        message = (
+            f"{where}.call_id {call_id!r} matches no function_call before it"
+            " (in this input or in the chain of previous_response_id)"
+        )
         raise ParamError(f"{where}.call_id", message)
     output = item.get("output")
     text = output if isinstance(output, str) else _text(output, where)

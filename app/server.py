@@ -70,7 +70,7 @@ def _middleware(state: ServerState) -> list[Middleware]:
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(server.cors_allow_origins),
-                allow_methods=["GET", "POST"],
+                allow_methods=["GET", "POST", "DELETE"],
                 allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
             )
         )
@@ -83,6 +83,7 @@ def _middleware(state: ServerState) -> list[Middleware]:
 def _lifespan(state: ServerState):
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await state.open_store()
         await state.engine.start()
         loader = asyncio.ensure_future(state.load())
         try:
@@ -93,6 +94,7 @@ def _lifespan(state: ServerState):
                 loader.cancel()
                 await asyncio.gather(loader, return_exceptions=True)
                 await state.engine.shutdown()
+                await state.close_store()
 
     return lifespan
 

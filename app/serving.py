@@ -43,6 +43,7 @@ from app.limits import RequestLimits
 from app.metrics import ServerMetrics
 from app.request_models import ChatCompletionRequest, CompletionRequest
 from app.response_models import ChatCompletionResponse, CompletionResponse, Usage
+from app.responses_chain import chained_prompt
 from app.settings import ServerSettings
 from app.streaming import merge
 from app.template_check import check_chat_template
@@ -231,17 +232,30 @@ class OpenAIServing:
             raise APIError(404, message, param="model", code="model_not_found")
 
     async def prepare(
-        self, request: ChatCompletionRequest | CompletionRequest, record: RequestRecord
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        record: RequestRecord,
+        prefix_token_ids: list[int] | None = None,
     ) -> Prepared:
         """prepare_chat / prepare_completion in a worker thread: templating and tokenizing a
         body of up to max_body_bytes takes seconds, and the event loop must not wait on it."""
         if isinstance(request, ChatCompletionRequest):
-            return await anyio.to_thread.run_sync(self.prepare_chat, request, record)
+            return await anyio.to_thread.run_sync(
+                self.prepare_chat, request, record, prefix_token_ids
+            )
         return await anyio.to_thread.run_sync(self.prepare_completion, request, record)
 
-    def prepare_chat(self, request: ChatCompletionRequest, record: RequestRecord) -> Prepared:
+    def prepare_chat(
+        self,
+        request: ChatCompletionRequest,
+        record: RequestRecord,
+        prefix_token_ids: list[int] | None = None,
+    ) -> Prepared:
         """Validate, apply the chat template, tokenize once. Raises APIError, ParamError or
-        ChatTemplateError (400s). Blocking: call it through prepare()."""
+        ChatTemplateError (400s). Blocking: call it through prepare().
+
+        prefix_token_ids (a chained response's previous prompt and output): the prompt starts
+        with exactly these ids when the rendered text starts with their text (chained_prompt)."""
         self.check_model(request.model)
         self.limits.check_chat(request)
         request.check_messages()
@@ -249,9 +263,7 @@ class OpenAIServing:
         messages = [m.to_template_dict() for m in request.messages]
         template_mode = request.template_mode()  # (add_generation_prompt, continue_final_message)
         tools = request.template_tools()
-        prompt_token_ids = self.model.tokenizer.apply_chat_template(
-            messages, *template_mode, tools=tools
-        )
+        prompt_token_ids = self._chat_prompt_ids(messages, template_mode, tools, prefix_token_ids)
         if self.settings.log_prompts:
             record.prompt = self.model.tokenizer.render_chat(messages, *template_mode, tools)
         response_id, engine_requests = self._engine_requests(
@@ -269,6 +281,19 @@ class OpenAIServing:
         recent = RecentPrompt(prompt_token_ids, messages, tools)
         self.recent_prompts.remember(record.tenant, response_id, recent)
         return prepared
+
+    def _chat_prompt_ids(
+        self,
+        messages: list[dict[str, Any]],
+        template_mode: tuple[bool, bool],
+        tools: list[dict[str, Any]] | None,
+        prefix_token_ids: list[int] | None,
+    ) -> list[int]:
+        tokenizer = self.model.tokenizer
+        if not prefix_token_ids:
+            return tokenizer.apply_chat_template(messages, *template_mode, tools=tools)
+        text = tokenizer.render_chat(messages, *template_mode, tools)
+        return chained_prompt(tokenizer, text, prefix_token_ids)
 
     def prepare_completion(self, request: CompletionRequest, record: RequestRecord) -> Prepared:
         """Tokenize and validate each prompt; one EngineRequest per prompt (blocking)."""

@@ -68,6 +68,11 @@ class ServerSettings(BaseModel):
     max_logit_bias_entries: int = Field(default=300, ge=0)
     max_top_logprobs: int = Field(default=20, ge=0, le=20)
     max_tools: int = Field(default=128, ge=1)
+    # Stored responses (app/response_store.py): the SQLite file and its bounds.
+    store_path: str | None = None  # None: <cache dir>/responses.sqlite3
+    store_max_responses: int = Field(default=10000, ge=1)
+    store_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
+    store_ttl_seconds: float = Field(default=30 * 24 * 3600.0, gt=0.0)
 
 
 class Settings(BaseModel):
@@ -81,6 +86,12 @@ class Settings(BaseModel):
     def to_engine_config(self) -> EngineConfig:
         """The engine's own frozen config (its fields are the `engine:` keys, one to one)."""
         return self.engine
+
+    def store_path(self) -> Path:
+        """The response store's SQLite file: store_path, else in the cache dir."""
+        if self.server.store_path is not None:
+            return Path(self.server.store_path).expanduser()
+        return self.engine.cache_root() / "responses.sqlite3"
 
 
 SERVER_KEYS = tuple(ServerSettings.model_fields)

@@ -11,6 +11,8 @@ from fastapi import Depends, Request, Response
 from app.errors import SERVER_ERROR, APIError
 from app.limits import RequestLimits
 from app.metrics import ServerMetrics
+from app.response_store import SqliteResponseStore, StoreLimits
+from app.responses_serving import ResponsesStoreService
 from app.serving import OpenAIServing, Prepared, RequestRecord, ServedModel
 from app.settings import Settings
 from app.streaming import respond
@@ -37,6 +39,23 @@ class ServerState:
         self.is_grace_over = asyncio.Event()  # set when the drain's grace ends: streams end now
         self.num_in_flight = 0  # /v1/ requests not yet fully answered (see server.py)
         self.load_error: str | None = None
+        self.responses: ResponsesStoreService | None = None  # open_store() .. close_store()
+
+    async def open_store(self) -> None:
+        """Open the response store (settings.store_path()); a store that cannot be opened
+        stops the start: responses the server says it keeps must be kept."""
+        server = self.settings.server
+        limits = StoreLimits(
+            server.store_max_responses, server.store_max_bytes, server.store_ttl_seconds
+        )
+        store = SqliteResponseStore(self.settings.store_path(), limits, self.metrics)
+        await store.open()
+        self.responses = ResponsesStoreService(store)
+
+    async def close_store(self) -> None:
+        if self.responses is not None:
+            await self.responses.store.close()
+            self.responses = None
 
     async def load(self) -> None:
         """Wait for the engine to be ready, then load the tokenizer and build the services."""
@@ -123,6 +142,12 @@ def get_admitted_serving(state: State) -> OpenAIServing:
     return state.admit()
 
 
+def get_responses_store(state: State) -> ResponsesStoreService:
+    if state.responses is None:
+        raise APIError(503, "The response store is not open.", type=SERVER_ERROR, code="not_ready")
+    return state.responses
+
+
 def get_record(request: Request) -> RequestRecord:
     record = getattr(request.state, "record", None)
     return record if record is not None else RequestRecord(request_id="-")
@@ -151,3 +176,4 @@ async def respond_to(
 ReadyServing = Annotated[OpenAIServing, Depends(get_ready_serving)]
 AdmittedServing = Annotated[OpenAIServing, Depends(get_admitted_serving)]
 Record = Annotated[RequestRecord, Depends(get_record)]
+ResponsesStore = Annotated[ResponsesStoreService, Depends(get_responses_store)]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.core.errors import ParamError
 
@@ -183,3 +185,8 @@ class EngineConfig:
     def audit_tolerance(self, dtype: str) -> float:
         """The corruption threshold of the audit for a torch dtype name ("float32", ...)."""
         return getattr(self, f"audit_tolerance_{dtype}")
+
+    def cache_root(self) -> Path:
+        """Where kvshare keeps what it makes: converted weights, the response store."""
+        root = self.cache_dir or os.environ.get("KVSHARE_CACHE_DIR") or "~/.cache/kvshare"
+        return Path(root).expanduser()

@@ -126,8 +126,7 @@ def resolve_model_dir(config: EngineConfig) -> Path:
 
 
 def kvshare_cache_dir(config: EngineConfig) -> Path:
-    root = config.cache_dir or os.environ.get("KVSHARE_CACHE_DIR") or "~/.cache/kvshare"
-    return Path(root).expanduser()
+    return config.cache_root()
 
 
 def _looks_like_path(model: str) -> bool:

@@ -22,6 +22,13 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_tokenizer(tmp_path_factory.mktemp("tiny-tokenizer"))
 
 
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test's own cache dir: the response store's SQLite file lands there."""
+    monkeypatch.setenv("KVSHARE_CACHE_DIR", str(tmp_path / "kvshare-cache"))
+    return tmp_path / "kvshare-cache"
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

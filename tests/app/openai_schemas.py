@@ -25,6 +25,7 @@ ROOTS = (
     "ListModelsResponse",
     "ErrorResponse",
     "Response",
+    "ResponseItemList",
 )
 _BASE_URI = "urn:openai-openapi"
 

@@ -35,6 +35,15 @@ def running_server(
 
     The exact mode (--quantization none) unless `flags` choose: the HF oracle's equalities hold
     only there, and config/cpu.yaml serves fp16 weights."""
+    with running_process(*flags, env=env, stderr=stderr) as (_, base_url):
+        yield base_url
+
+
+@contextmanager
+def running_process(
+    *flags: str, env: dict[str, str] | None = None, stderr: IO[str] | None = None
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """running_server(), yielding the process too (to kill it); stopped at the end if alive."""
     port = free_port()
     command = [sys.executable, "-m", "app.cli", "serve", "--config", "config/cpu.yaml"]
     command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
@@ -51,13 +60,15 @@ def running_server(
     base_url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base_url, process)
-        yield base_url
+        yield process, base_url
     finally:
         stop_process(process)
 
 
 def stop_process(process: subprocess.Popen) -> None:
-    """SIGINT (a graceful stop), then SIGKILL after 30 s."""
+    """SIGINT (a graceful stop), then SIGKILL after 30 s (nothing if it has exited)."""
+    if process.poll() is not None:
+        return
     process.send_signal(signal.SIGINT)
     try:
         process.wait(timeout=30)
