@@ -1,6 +1,7 @@
 """The GGUF block kernels against the libraries that could do the same product, per shape.
 
     python benchmarks/block_kernels.py [--rows 1 8] [--rounds 5] [--threads 2] [--clock cpu]
+    python benchmarks/block_kernels.py --rows 16 64 256 512 --rounds 3   # prefill chunk sizes
 
 SmolLM2's own tensors (the embedded GGUF: Q4_1 projections, the Q8_0 embedding as the LM
 head), each computed with fp32 activations by:
@@ -9,6 +10,8 @@ head), each computed with fp32 activations by:
                32 weights: Q4_1 maps onto it exactly as w = (q - 8) * d + (m + 8 d)); Q4_1 only
   fbgemm_fp16  fbgemm's fp16-weight linear (quantization fp16)
   onednn_fp32  oneDNN on packed fp32 weights (quantization none)
+  dequant_fp32 the blocks dequantized at each call, then F.linear (oneDNN): the prefill option
+               that keeps no fp32 copy resident
 Rounds interleave the candidates; each figure is the median over rounds of the mean call time,
 with the error of each candidate against F.linear on the dequantized weights (fp64). Also the
 bytes each reads and the machine's read bandwidth (a large tensor's sum), so a row shows the
@@ -30,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.core.config import EngineConfig
-from engine.runtime.cpu.block_linear import BlockLinear, BlockWeight
+from engine.runtime.cpu.block_linear import BlockEmbedding, BlockLinear, BlockWeight
 from engine.runtime.cpu.linear import PackedLinear
 from engine.runtime.cpu.native import load_library
 from engine.runtime.cpu.quant import Fp16Linear, can_quantize
@@ -63,7 +66,16 @@ def candidates(weight: BlockWeight, library) -> dict:
     if can_quantize():
         found["fbgemm_fp16"] = Fp16Linear(dense, None)
     found["onednn_fp32"] = PackedLinear(dense, None)
+    found["dequant_fp32"] = dequantizing_candidate(weight, library)
     return found
+
+
+def dequantizing_candidate(weight: BlockWeight, library):
+    """What a prefill chunk would pay to run oneDNN without keeping an fp32 copy: the blocks
+    dequantized at call time (the library's row kernel), then F.linear."""
+    table = BlockEmbedding(weight, library)
+    ids = torch.arange(weight.out_features)
+    return lambda x: F.linear(x, table(ids))
 
 
 def read_bandwidth_gbs(clock) -> float:
