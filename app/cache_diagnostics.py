@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -29,7 +29,7 @@ class Segment:
     """The part of a prompt that starts at token `start`."""
 
     start: int
-    kind: str  # system | message | generation_prompt | prompt
+    kind: str  # system | tools | message | generation_prompt | prompt
     message_index: int | None = None
     role: str | None = None
 
@@ -47,8 +47,20 @@ def chat_segments(
     tools: Sequence[Mapping[str, Any]] | None,
 ) -> list[Segment]:
     """Message i starts where the rendering of messages[:i] ends; the closing generation
-    prompt starts after the last message. Renders len(messages) prefixes: diagnosed requests
-    only. A prefix the template refuses ends the list there (its tokens count as the last)."""
+    prompt starts after the last message; with tools, the tool definitions are a segment of
+    their own inside the message the template renders them into (tools_span). Renders about
+    len(messages) prefixes: diagnosed requests only."""
+    segments = _message_segments(tokenizer, messages, tools)
+    span = tools_span(tokenizer, messages, tools) if tools else None
+    return segments if span is None else _with_tools(segments, *span)
+
+
+def _message_segments(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> list[Segment]:
+    """A prefix the template refuses ends the list there (its tokens count as the last)."""
     segments: list[Segment] = []
     start = 0
     for index, message in enumerate(messages):
@@ -61,6 +73,54 @@ def chat_segments(
             return segments
     segments.append(Segment(start, "generation_prompt"))
     return segments
+
+
+def tools_span(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]],
+) -> tuple[int, int] | None:
+    """Token offsets [start, end) of the rendered tool definitions, found from the template
+    itself: the shortest prefix of the messages whose rendering with the tools differs from
+    its rendering without them; the span is where the two part and where they agree again.
+    None when no prefix shows the tools (or the template refuses every one)."""
+    for num_messages in range(1, len(messages) + 1):
+        head = messages[:num_messages]
+        try:
+            with_tools = tokenizer.render_chat(head, False, tools=tools)
+            without = tokenizer.render_chat(head, False)
+        except ChatTemplateError:
+            continue  # e.g. a tool message the template takes only beside tools
+        if with_tools != without:
+            start, end = changed_span(without, with_tools)
+            encode = tokenizer.encode
+            return len(encode(with_tools[:start], False)), len(encode(with_tools[:end], False))
+    return None
+
+
+def changed_span(before: str, after: str) -> tuple[int, int]:
+    """[start, end) of `after` that replaces part of `before`: before the longest common
+    suffix, after the longest common prefix that does not overlap it (suffix first, so an
+    inserted block, such as a system message that lists the tools, is the span whole)."""
+    num_suffix = _num_common_leading(before[::-1], after[::-1])
+    room = min(len(before), len(after)) - num_suffix
+    return min(_num_common_leading(before, after), room), len(after) - num_suffix
+
+
+def _num_common_leading(a: str, b: str) -> int:
+    different = (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    return next(different, min(len(a), len(b)))
+
+
+def _with_tools(segments: list[Segment], start: int, end: int) -> list[Segment]:
+    """The tools segment at [start, end); the segment it interrupts resumes at end."""
+    if start >= end:
+        return segments
+    kept = [segment for segment in segments if not start <= segment.start < end]
+    added = [Segment(start, "tools")]
+    if all(segment.start != end for segment in segments):
+        added.append(replace(segment_at(segments, end), start=end))
+    return sorted(kept + added, key=lambda segment: segment.start)
 
 
 def segment_at(segments: Sequence[Segment], index: int) -> Segment:

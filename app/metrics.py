@@ -92,7 +92,16 @@ _ENGINE_GAUGES = (
      "Fair share: largest minus least weighted service among the tenants the scheduler tracks.",
      "fair_share_counter_spread"),
 )  # fmt: skip
-_SEGMENT_LABELS = ("system", "user", "assistant", "tool", "message", "generation_prompt", "prompt")
+_SEGMENT_LABELS = (
+    "system",
+    "tools",
+    "user",
+    "assistant",
+    "tool",
+    "message",
+    "generation_prompt",
+    "prompt",
+)
 _BLOCK_STATES = (
     ("free", "num_free_blocks"),
     ("private", "num_private_blocks"),
@@ -174,7 +183,8 @@ class ServerMetrics:
         self.cache_divergence = Counter(
             "kvshare_prefix_cache_divergence",
             "Diagnosed requests (cache_diagnostics) by the segment of their first prompt token "
-            "not served from the prefix cache: system, a message role, generation_prompt, prompt.",
+            "not served from the prefix cache: system, tools, a message role, generation_prompt, "
+            "prompt.",
             ["segment"],
             registry=self.registry,
         )

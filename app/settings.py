@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from engine.core.config import CHOICES, EngineConfig
 
@@ -49,6 +49,7 @@ class ServerSettings(BaseModel):
     max_waiting_prompt_tokens_per_tenant: int | None = Field(default=None, ge=1)
     max_tenant_labels: int = Field(default=16, ge=1)  # distinct tenants in metrics; rest: other
     served_model_name: str | None = None
+    chat_template: str | None = None  # a Jinja file used instead of the model's own template
     default_max_tokens: int | None = Field(default=2048, ge=1)
     shutdown_grace_seconds: float = Field(default=30.0, ge=0.0)
     keepalive_seconds: float = Field(default=15.0, gt=0.0)
@@ -73,6 +74,13 @@ class ServerSettings(BaseModel):
     store_max_responses: int = Field(default=10000, ge=1)
     store_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)
     store_ttl_seconds: float = Field(default=30 * 24 * 3600.0, gt=0.0)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _readable_template(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"no chat template file {path!r}")
+        return path
 
 
 class Settings(BaseModel):

@@ -78,15 +78,16 @@ class Tokenizer:
     """A tokenizer directory: encode/decode, chat template, special tokens.
 
     Thread-safe for concurrent encode/decode (the Rust tokenizer is immutable here).
+    `chat_template` (Jinja source) replaces the directory's own template when given.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, chat_template: str | None = None) -> None:
         self.path = Path(path)
         self._tokenizer = _HFTokenizer.from_file(str(self.path / "tokenizer.json"))
         self._config = _read_json(self.path / "tokenizer_config.json")
         raw = _read_json(self.path / "tokenizer.json")
         self._byte_decoder = _byte_level_decoder() if _uses_byte_level(raw.get("decoder")) else None
-        self.chat_template = self._load_chat_template()
+        self.chat_template = chat_template or self._load_chat_template()
         self.special_tokens = self._load_special_tokens()
         self.eos_token_ids = self._load_eos_token_ids()
 

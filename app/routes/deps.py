@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request, Response
@@ -67,7 +68,7 @@ class ServerState:
             await asyncio.sleep(_POLL_SECONDS)
         info = self.engine.model_info
         try:
-            tokenizer = await asyncio.to_thread(Tokenizer, info.tokenizer_path)
+            tokenizer = await asyncio.to_thread(self._load_tokenizer, info.tokenizer_path)
         except Exception as e:
             self.load_error = f"cannot load the tokenizer from {info.tokenizer_path}: {e}"
             logger.exception("the tokenizer failed to load")
@@ -79,6 +80,13 @@ class ServerState:
             self.engine, model, self.settings.server, self.metrics, limits=limits
         )
         logger.info("ready: serving %s (context %d tokens)", name, info.max_model_len)
+
+    def _load_tokenizer(self, tokenizer_path: str) -> Tokenizer:
+        """The model's tokenizer, with server.chat_template's file as its template if set."""
+        template_path = self.settings.server.chat_template
+        if template_path is None:
+            return Tokenizer(tokenizer_path)
+        return Tokenizer(tokenizer_path, Path(template_path).read_text(encoding="utf-8"))
 
     def not_ready_reason(self) -> str | None:
         """None when requests can be served, else why not."""

@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import make_settings, open_client
 from tiny_tokenizer import build_tiny_tokenizer
 
 from app.cache_diagnostics import DiagnosticsContext, chat_segments
 from app.metrics import ServerMetrics
+from app.settings import SettingsError, load_settings
 from app.template_check import check_chat_template, first_rewritten_message
 from engine.core.protocol import CacheDiagnosis
 from engine.tokenizer import Tokenizer
@@ -65,3 +67,18 @@ def test_a_diverged_history_reads_template_rewrites_history(stripping) -> None:
     diagnosis = CacheDiagnosis(len(ids), before, 16, before, "diverged")
     out = context.to_json(diagnosis, stripping, False)
     assert out["reason"] == "diverged"
+
+
+@pytest.mark.anyio
+async def test_server_chat_template_replaces_the_models_own(engine, tmp_path) -> None:
+    template_file = tmp_path / "strip.jinja"
+    template_file.write_text(STRIPPING_TEMPLATE, encoding="utf-8")
+    async with open_client(engine, make_settings(chat_template=str(template_file))) as client:
+        assert client.app.state.kvshare.serving.model.tokenizer.chat_template == STRIPPING_TEMPLATE
+        metrics = (await client.get("/metrics")).text
+    assert "kvshare_chat_template_append_only 0.0" in metrics
+
+
+def test_a_missing_chat_template_file_is_refused_naming_the_key(tmp_path) -> None:
+    with pytest.raises(SettingsError, match=r"server\.chat_template: .*no chat template file"):
+        load_settings(None, {}, {"chat_template": str(tmp_path / "missing.jinja")})

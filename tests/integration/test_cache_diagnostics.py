@@ -58,6 +58,12 @@ def chat(client, messages, salt, diagnostics=True):
     return response
 
 
+def weather_tool(description: str) -> dict:
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}}
+    function = {"name": "get_weather", "description": description, "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
 def complete(client, prompt, salt):
     response = client.completions.create(
         model=model_of(client),
@@ -93,6 +99,28 @@ def test_the_answer_names_the_message_where_prompts_diverge(alice):
     assert diagnostics["text_at"].startswith("Saturn")
     assert diagnostics["block_size"] == BLOCK_SIZE
     assert diagnostics["matched_tokens"] == diagnostics["first_miss_index"] > 0
+
+
+def test_a_changed_tool_description_diverges_in_the_tools_segment(alice):
+    def ask(description: str, diagnostics):
+        return alice.chat.completions.create(
+            model=model_of(alice),
+            messages=CONVERSATION[:2],
+            tools=[weather_tool(description)],
+            max_tokens=1,
+            temperature=0.0,
+            extra_body={"cache_diagnostics": diagnostics, "cache_salt": "tools"},
+        )
+
+    first = ask("The current weather in a city, in degrees Celsius.", True)
+    second = ask("The weather forecast for tomorrow in a city.", {"compare_to": first.id})
+    diagnostics = second.model_extra["cache_diagnostics"]
+    comparison = diagnostics["compare_to"]  # the exact token where the two prompts part
+    assert comparison["segment"] == diagnostics["segment"] == {"kind": "tools"}
+    assert comparison["text_at"].startswith(" weather forecast")
+    assert diagnostics["reason"] == "diverged"
+    # The cache matches token by token (a partial block is copied): the miss is exactly there.
+    assert diagnostics["first_miss_index"] == comparison["first_difference_index"] > 0
 
 
 def test_a_full_hit_has_no_miss_point(alice):
