@@ -180,16 +180,14 @@ class ServerMetrics:
             "(checked at start); 0: it rewrites history and multi-turn chats miss the cache.",
             registry=self.registry,
         )
-        self.cache_divergence = Counter(
+        self.cache_divergence = self._counter_at_zero(
             "kvshare_prefix_cache_divergence",
             "Diagnosed requests (cache_diagnostics) by the segment of their first prompt token "
             "not served from the prefix cache: system, tools, a message role, generation_prompt, "
             "prompt.",
-            ["segment"],
-            registry=self.registry,
+            "segment",
+            _SEGMENT_LABELS,
         )
-        for segment in _SEGMENT_LABELS:  # exported at 0 from the start: rate() needs a series
-            self.cache_divergence.labels(segment)
         self.grammar_compile = histogram(
             "kvshare_grammar_compile_seconds",
             "Seconds to compile a structured-output grammar (cache misses only).",
@@ -251,15 +249,21 @@ class ServerMetrics:
             "Bytes of the stored responses (their JSON bodies), bounded by store_max_bytes.",
             registry=self.registry,
         )
-        self.response_store_evictions = Counter(
+        self.response_store_evictions = self._counter_at_zero(
             "kvshare_response_store_evictions",
             "Stored responses evicted, by reason: ttl (older than store_ttl_seconds), count "
             "(over store_max_responses), bytes (over store_max_bytes).",
-            ["reason"],
-            registry=self.registry,
+            "reason",
+            EVICTION_REASONS,
         )
-        for reason in EVICTION_REASONS:  # exported at 0 from the start: rate() needs a series
-            self.response_store_evictions.labels(reason)
+
+    def _counter_at_zero(self, name: str, doc: str, label: str, values) -> Counter:
+        """A counter with one label, each of `values` exported at 0 from the start: alerts and
+        dashboards take rate() of them, which needs a series before the first event."""
+        counter = Counter(name, doc, [label], registry=self.registry)
+        for value in values:
+            counter.labels(value)
+        return counter
 
     # -- observed by the app ----------------------------------------------------------------
 
