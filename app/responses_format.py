@@ -6,7 +6,7 @@ import secrets
 import time
 from typing import Any
 
-from app.response_models import ChatCompletionResponse
+from app.response_models import ChatCompletionResponse, Usage
 from app.responses_request import ResponsesRequest
 
 
@@ -23,7 +23,7 @@ def response_object(request: ResponsesRequest, chat: ChatCompletionResponse) -> 
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "output": output_items(choice.message.content, choice.message.tool_calls or []),
-        "usage": _usage(chat),
+        "usage": usage_object(chat.usage),
         **echoed_fields(request, chat.model),
     }
 
@@ -77,8 +77,8 @@ def output_items(text: str | None, tool_calls: list[Any]) -> list[dict[str, Any]
     return items
 
 
-def _usage(chat: ChatCompletionResponse) -> dict[str, Any]:
-    usage = chat.usage
+def usage_object(usage: Usage) -> dict[str, Any]:
+    """The Responses usage (ResponseUsage) of a chat usage."""
     cached = usage.prompt_tokens_details.cached_tokens
     return {
         "input_tokens": usage.prompt_tokens,

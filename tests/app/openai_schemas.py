@@ -25,6 +25,8 @@ ROOTS = (
     "ListModelsResponse",
     "ErrorResponse",
     "Response",
+    "ResponseStreamEvent",
+    "TokenCountsResource",
 )
 _BASE_URI = "urn:openai-openapi"
 
