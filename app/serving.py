@@ -115,6 +115,16 @@ class ServedModel:
         return "fp_" + digest.hexdigest()[:10]
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt: what the template read, and the token ids it rendered to."""
+
+    messages: list[dict[str, Any]]
+    template_mode: tuple[bool, bool]  # (add_generation_prompt, continue_final_message)
+    tools: list[dict[str, Any]] | None
+    token_ids: list[int]
+
+
 @dataclass
 class Prepared:
     """A validated request, tokenized once, ready for the engine."""
@@ -242,16 +252,10 @@ class OpenAIServing:
     def prepare_chat(self, request: ChatCompletionRequest, record: RequestRecord) -> Prepared:
         """Validate, apply the chat template, tokenize once. Raises APIError, ParamError or
         ChatTemplateError (400s). Blocking: call it through prepare()."""
-        self.check_model(request.model)
-        self.limits.check_chat(request)
-        request.check_messages()
-        tool_mode = request.tool_mode  # checks tools and tool_choice
-        messages = [m.to_template_dict() for m in request.messages]
-        template_mode = request.template_mode()  # (add_generation_prompt, continue_final_message)
-        tools = request.template_tools()
-        prompt_token_ids = self.model.tokenizer.apply_chat_template(
-            messages, *template_mode, tools=tools
-        )
+        prompt = self.chat_prompt(request)
+        messages, template_mode, tools = prompt.messages, prompt.template_mode, prompt.tools
+        prompt_token_ids = prompt.token_ids
+        tool_mode = request.tool_mode
         if self.settings.log_prompts:
             record.prompt = self.model.tokenizer.render_chat(messages, *template_mode, tools)
         response_id, engine_requests = self._engine_requests(
@@ -269,6 +273,19 @@ class OpenAIServing:
         recent = RecentPrompt(prompt_token_ids, messages, tools)
         self.recent_prompts.remember(record.tenant, response_id, recent)
         return prepared
+
+    def chat_prompt(self, request: ChatCompletionRequest) -> ChatPrompt:
+        """The checked request's prompt as the chat template renders it, tokenized (blocking).
+        Raises what prepare_chat() raises for the request itself; admits nothing."""
+        self.check_model(request.model)
+        self.limits.check_chat(request)
+        request.check_messages()
+        request.tool_mode  # noqa: B018 (checks tools and tool_choice)
+        messages = [m.to_template_dict() for m in request.messages]
+        template_mode = request.template_mode()  # (add_generation_prompt, continue_final_message)
+        tools = request.template_tools()
+        token_ids = self.model.tokenizer.apply_chat_template(messages, *template_mode, tools=tools)
+        return ChatPrompt(messages, template_mode, tools, token_ids)
 
     def prepare_completion(self, request: CompletionRequest, record: RequestRecord) -> Prepared:
         """Tokenize and validate each prompt; one EngineRequest per prompt (blocking)."""
