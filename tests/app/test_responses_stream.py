@@ -298,3 +298,32 @@ async def test_a_refused_stream_is_a_400_before_any_event(client) -> None:
     response = await client.post(RESPONSES, json=body)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "max_output_tokens"
+
+
+async def test_the_end_of_the_drain_grace_ends_the_stream_with_response_failed(
+    engine: FakeEngine,
+) -> None:
+    engine.pause_after_tokens = 2
+    app = create_app(engine, make_settings())
+    sent: list[dict] = []
+    async with app.router.lifespan_context(app):
+        await wait_ready(app)
+        never = anyio.Event()  # the client stays
+        body = {"model": MODEL, "input": "hi", "stream": True}
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(_post_then_disconnect, app, body, never, sent)
+            with anyio.fail_after(5):
+                await engine.paused.wait()
+            app.state.kvshare.is_grace_over.set()
+            with anyio.fail_after(5):
+                while not any(m.get("more_body") is False for m in sent):
+                    await anyio.sleep(0.01)
+            never.set()
+        assert engine.aborts == [(engine.requests[0].request_id, None)]
+    text = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    events = parse_events(text.decode())
+    check_sequence(events)
+    assert [e["type"] for e in events[-3:]] == ["response.output_text.delta"] * 2 + [
+        "response.failed"
+    ]
+    assert events[-1]["response"]["error"]["code"] == "server_error"
