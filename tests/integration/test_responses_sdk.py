@@ -17,7 +17,8 @@ import pytest
 from pydantic import BaseModel
 
 from tests.app.openai_schemas import VENDORED, assert_valid
-from tests.integration.server import running_server
+from tests.integration.fuzzing import check_after
+from tests.integration.server import running_server, scrape
 
 pytestmark = pytest.mark.integration
 
@@ -161,6 +162,36 @@ def test_stream_cut_by_max_output_tokens_ends_incomplete(client, model) -> None:
     assert events[-1]["type"] == "response.incomplete"
     assert final["incomplete_details"] == {"reason": "max_output_tokens"}
     assert final["usage"]["output_tokens"] == 16
+
+
+def test_stream_a_forced_call_as_function_call_events(client, model) -> None:
+    request = {"model": model, "input": WEATHER_ASK, "tools": [WEATHER], "tool_choice": "required"}
+    events, final = _stream_events(
+        client, **request, parallel_tool_calls=False, max_output_tokens=48
+    )
+    assert [e["type"] for e in events[2:]] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    (call,) = final["output"]
+    assert events[4]["arguments"] == call["arguments"] == events[3]["delta"]
+    assert json.loads(call["arguments"])["city"] in CITY["enum"]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(url, model) -> None:
+    body = {"model": model, "input": "Write a long story about the sea.", "stream": True}
+    body["max_output_tokens"] = 2000  # minutes of decoding: only an abort ends it in time
+    aborts = 'kvshare_requests_total{finish_reason="abort"}'
+    before = scrape(url).get(aborts, 0)
+    with httpx.stream("POST", f"{url}/v1/responses", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and "response.output_text.delta" in line:
+                break  # leave with the answer under way
+    assert check_after(url) == []  # nothing running, no private block, nothing leaked
+    assert scrape(url)[aborts] == before + 1
 
 
 def test_parse_with_a_pydantic_model(client, model) -> None:
