@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -31,6 +31,7 @@ from starlette.responses import StreamingResponse
 
 from app.errors import SERVER_ERROR, APIError
 from app.formatting import ChoiceDelta, ToolCallParser
+from app.response_models import ChatCompletionResponse
 from app.responses_format import echoed_fields, response_object, usage_object
 from app.responses_request import ResponsesRequest
 from app.serving import OpenAIServing, Prepared, RequestRecord
@@ -172,6 +173,11 @@ class ResponseEvents:
         return self._event("response.failed", response=response)
 
 
+# The final Response of a finished answer, from its chat response and its deltas (what a
+# store keeps is made here; the default is response_object()).
+FinishResponse = Callable[[ChatCompletionResponse, list[ChoiceDelta]], Awaitable[dict[str, Any]]]
+
+
 class ResponseStream:
     """One prepared Responses request, run through serving.run() and told as events."""
 
@@ -181,11 +187,13 @@ class ResponseStream:
         prepared: Prepared,
         record: RequestRecord,
         request: ResponsesRequest,
+        finish: FinishResponse | None = None,
     ) -> None:
         self.serving = serving
         self.prepared = prepared
         self.record = record
         self.request = request
+        self.finish = finish or self._response_object
         header = prepared.formatter.header
         response_id = "resp_" + header["id"].removeprefix("chatcmpl-")  # as response_object()
         self.events = ResponseEvents(request, response_id, header["model"], header["created"])
@@ -205,8 +213,14 @@ class ResponseStream:
                     yield event
         formatter = self.prepared.formatter
         chat = formatter.response(self.prepared.num_choices, deltas, self.record.usage())
-        for event in self.events.finish(response_object(self.request, chat)):
+        assert isinstance(chat, ChatCompletionResponse)
+        for event in self.events.finish(await self.finish(chat, deltas)):
             yield event
+
+    async def _response_object(
+        self, chat: ChatCompletionResponse, deltas: list[ChoiceDelta]
+    ) -> dict[str, Any]:
+        return response_object(self.request, chat)
 
     def failed(self, error: APIError) -> dict[str, Any] | None:
         usage = usage_object(self.record.usage()) if self.record.prompt_tokens else None

@@ -14,7 +14,11 @@ from helpers import MODEL, make_settings, wait_ready
 from openai_schemas import VENDORED, assert_valid
 from tiny_tokenizer import FAKE_TEXTS
 
+from app.responses_format import response_object
+from app.responses_request import ResponsesRequest
+from app.responses_stream import ResponseStream
 from app.server import create_app
+from app.serving import RequestRecord
 from engine.core.protocol import FinishReason
 
 pytestmark = pytest.mark.anyio
@@ -327,3 +331,23 @@ async def test_the_end_of_the_drain_grace_ends_the_stream_with_response_failed(
         "response.failed"
     ]
     assert events[-1]["response"]["error"]["code"] == "server_error"
+
+
+async def test_the_finish_hook_makes_the_terminal_response(client) -> None:
+    """What a store keeps is made by `finish`, from the chat response and the deltas."""
+    serving = client.app.state.kvshare.serving
+    body = ResponsesRequest.model_validate({"model": MODEL, "input": "hi"})
+    record = RequestRecord("finish-hook")
+    prepared = await serving.prepare(body.to_chat_request(), record)
+    seen: list[str] = []
+
+    async def finish(chat, deltas) -> dict:
+        seen.append("".join(delta.text for delta in deltas))
+        return response_object(body, chat) | {"store": True}
+
+    stream = ResponseStream(serving, prepared, record, body, finish)
+    events = [event async for event in stream.run()]
+    check_sequence(events)
+    assert seen == [FAKE_TEXTS[0]]
+    assert events[-1]["response"]["store"] is True
+    assert events[0]["response"]["store"] is False
