@@ -82,6 +82,9 @@ class DetokenizeRequest(RequestModel):
 def count_input_tokens(serving: OpenAIServing, body: InputTokensRequest) -> dict[str, Any]:
     """The spec's TokenCountsResource; blocking (templating), so call it in a worker thread.
     Errors name the chat fields; the route renames them (routes/responses.py)."""
+    if body.previous_response_id is not None:  # refused here, whatever POST /v1/responses does
+        message = "previous_response_id: counting a chained request is not supported"
+        raise ParamError("previous_response_id", message)
     chat_request = body.to_responses_request(serving.model.name).to_chat_request()
     chat_request.structured  # noqa: B018 (text.format and tool schemas, checked as served)
     num_tokens = len(serving.chat_prompt(chat_request).token_ids)
