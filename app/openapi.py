@@ -48,6 +48,7 @@ _REASONS = {
     503: "The model is still loading, failed to load, or the server is draining.",
 }
 _GENERATION = (400, 404, 413, 429, 500, 503)
+_COUNTING = (400, 404, 413, 500, 503)  # token counts: ready, never queued (no 429)
 # (path, method) -> the error statuses the route itself can send; 401 is added to keyed
 # routes when API keys are configured, 413 to every POST (the body limit comes first).
 ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
@@ -57,6 +58,9 @@ ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/responses/{response_id}", "get"): (400, 404, 500, 503),
     ("/v1/responses/{response_id}", "delete"): (400, 404, 500, 503),
     ("/v1/responses/{response_id}/input_items", "get"): (400, 404, 500, 503),
+    ("/v1/responses/input_tokens", "post"): _COUNTING,
+    ("/tokenize", "post"): _COUNTING,
+    ("/detokenize", "post"): _COUNTING,
     ("/v1/models", "get"): (500, 503),
     ("/v1/models/{model}", "get"): (404, 500, 503),
     ("/health", "get"): (500,),
@@ -66,7 +70,8 @@ ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("/debug/kv_blocks", "get"): (404, 500, 503),
     ("/debug/cache_report", "get"): (400, 404, 500, 503),
 }
-KEYED_PREFIXES = ("/v1/", "/debug/")  # app/server.py's ApiKeyMiddleware guards these
+# app/server.py's ApiKeyMiddleware guards these
+KEYED_PREFIXES = ("/v1/", "/debug/", "/tokenize", "/detokenize")
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 
 

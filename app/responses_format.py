@@ -6,12 +6,15 @@ import secrets
 import time
 from typing import Any
 
-from app.response_models import ChatCompletionResponse
+from app.response_models import ChatCompletionResponse, Usage
 from app.responses_request import ResponsesRequest
 
 
-def response_object(request: ResponsesRequest, chat: ChatCompletionResponse) -> dict[str, Any]:
-    """The Response for one chat choice: status, output items, echoed fields and usage."""
+def response_object(
+    request: ResponsesRequest, chat: ChatCompletionResponse, message_id: str | None = None
+) -> dict[str, Any]:
+    """The Response for one chat choice: status, output items, echoed fields and usage;
+    message_id: the message item's id (a streamed one's, sent before the answer ended)."""
     choice = chat.choices[0]
     incomplete = choice.finish_reason == "length"
     return {
@@ -22,8 +25,8 @@ def response_object(request: ResponsesRequest, chat: ChatCompletionResponse) -> 
         "status": "incomplete" if incomplete else "completed",
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "output": output_items(choice.message.content, choice.message.tool_calls or []),
-        "usage": _usage(chat),
+        "output": output_items(choice.message.content, choice.message.tool_calls or [], message_id),
+        "usage": usage_object(chat.usage),
         **echoed_fields(request, chat.model),
     }
 
@@ -50,14 +53,16 @@ def echoed_fields(request: ResponsesRequest, model: str) -> dict[str, Any]:
     } | ({} if request.user is None else {"user": request.user})
 
 
-def output_items(text: str | None, tool_calls: list[Any]) -> list[dict[str, Any]]:
+def output_items(
+    text: str | None, tool_calls: list[Any], message_id: str | None = None
+) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if text:
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
         items.append(
             {
                 "type": "message",
-                "id": "msg_" + secrets.token_hex(12),
+                "id": message_id or "msg_" + secrets.token_hex(12),
                 "status": "completed",
                 "role": "assistant",
                 "content": content,
@@ -77,8 +82,8 @@ def output_items(text: str | None, tool_calls: list[Any]) -> list[dict[str, Any]
     return items
 
 
-def _usage(chat: ChatCompletionResponse) -> dict[str, Any]:
-    usage = chat.usage
+def usage_object(usage: Usage) -> dict[str, Any]:
+    """The Responses usage (ResponseUsage) of a chat usage."""
     cached = usage.prompt_tokens_details.cached_tokens
     return {
         "input_tokens": usage.prompt_tokens,

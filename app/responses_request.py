@@ -80,8 +80,6 @@ class ResponsesRequest(RequestModel):
             value = getattr(self, name)
             if value is not None and value != no_op:
                 raise ParamError(name, f"{name}: {reason}")
-        if self.stream:
-            raise ParamError("stream", "streaming responses are not supported yet")
 
     def function_tools(self) -> list[ResponseFunctionTool] | None:
         if self.tools is None:

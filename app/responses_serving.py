@@ -26,11 +26,13 @@ def not_found(response_id: str, param: str | None = None) -> APIError:
 
 @dataclass
 class Turn:
-    """One generation: the chat response and the token ids it ran on and produced."""
+    """One generation: the chat response and the token ids it ran on and produced
+    (message_id: the id a stream already gave its message item)."""
 
     chat: ChatCompletionResponse
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    message_id: str | None = None
 
 
 async def run_turn(serving: OpenAIServing, prepared: Prepared, record: RequestRecord) -> Turn:
@@ -70,7 +72,7 @@ class ResponsesStoreService:
         turn: Turn,
     ) -> dict[str, Any]:
         """The Response object of `turn`, stored when the request asks (store says whether)."""
-        response = response_object(body, turn.chat)
+        response = response_object(body, turn.chat, turn.message_id)
         if not body.is_stored:
             return response
         stored = StoredResponse(

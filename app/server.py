@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import APIError, error_response, install_error_handlers
 from app.metrics import ServerMetrics
 from app.openapi import install_openapi
-from app.routes import chat, completions, debug, health, metrics, models, responses
+from app.routes import chat, completions, debug, health, metrics, models, responses, tokens
 from app.routes.deps import ServerState
 from app.serving import RequestRecord
 from app.settings import Settings
@@ -41,7 +41,8 @@ access_logger = logging.getLogger("kvshare.access")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _GENERATION_PREFIX = "/v1/"
-_KEYED_PREFIXES = (_GENERATION_PREFIX, "/debug/")  # routes that need an API key, when set
+# Routes that need an API key, when keys are set (also app/openapi.py's KEYED_PREFIXES).
+_KEYED_PREFIXES = (_GENERATION_PREFIX, "/debug/", "/tokenize", "/detokenize")
 
 
 def create_app(engine_client: EngineClient, settings: Settings) -> FastAPI:
@@ -56,7 +57,7 @@ def create_app(engine_client: EngineClient, settings: Settings) -> FastAPI:
     )
     app.state.kvshare = state
     install_error_handlers(app)
-    for module in (chat, completions, models, health, metrics, debug, responses):
+    for module in (chat, completions, models, health, metrics, debug, responses, tokens):
         app.include_router(module.router)
     install_openapi(app, settings)
     return app

@@ -116,6 +116,16 @@ class ServedModel:
         return "fp_" + digest.hexdigest()[:10]
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt: what the template read, and the token ids it rendered to."""
+
+    messages: list[dict[str, Any]]
+    template_mode: tuple[bool, bool]  # (add_generation_prompt, continue_final_message)
+    tools: list[dict[str, Any]] | None
+    token_ids: list[int]
+
+
 @dataclass
 class Prepared:
     """A validated request, tokenized once, ready for the engine."""
@@ -256,14 +266,10 @@ class OpenAIServing:
 
         prefix_token_ids (a chained response's previous prompt and output): the prompt starts
         with exactly these ids when the rendered text starts with their text (chained_prompt)."""
-        self.check_model(request.model)
-        self.limits.check_chat(request)
-        request.check_messages()
-        tool_mode = request.tool_mode  # checks tools and tool_choice
-        messages = [m.to_template_dict() for m in request.messages]
-        template_mode = request.template_mode()  # (add_generation_prompt, continue_final_message)
-        tools = request.template_tools()
-        prompt_token_ids = self._chat_prompt_ids(messages, template_mode, tools, prefix_token_ids)
+        prompt = self.chat_prompt(request, prefix_token_ids)
+        messages, template_mode, tools = prompt.messages, prompt.template_mode, prompt.tools
+        prompt_token_ids = prompt.token_ids
+        tool_mode = request.tool_mode
         if self.settings.log_prompts:
             record.prompt = self.model.tokenizer.render_chat(messages, *template_mode, tools)
         response_id, engine_requests = self._engine_requests(
@@ -281,6 +287,22 @@ class OpenAIServing:
         recent = RecentPrompt(prompt_token_ids, messages, tools)
         self.recent_prompts.remember(record.tenant, response_id, recent)
         return prepared
+
+    def chat_prompt(
+        self, request: ChatCompletionRequest, prefix_token_ids: list[int] | None = None
+    ) -> ChatPrompt:
+        """The checked request's prompt as the chat template renders it, tokenized (blocking);
+        a chained one starts with prefix_token_ids (see prepare_chat). Raises what
+        prepare_chat() raises for the request itself; admits nothing."""
+        self.check_model(request.model)
+        self.limits.check_chat(request)
+        request.check_messages()
+        request.tool_mode  # noqa: B018 (checks tools and tool_choice)
+        messages = [m.to_template_dict() for m in request.messages]
+        template_mode = request.template_mode()  # (add_generation_prompt, continue_final_message)
+        tools = request.template_tools()
+        token_ids = self._chat_prompt_ids(messages, template_mode, tools, prefix_token_ids)
+        return ChatPrompt(messages, template_mode, tools, token_ids)
 
     def _chat_prompt_ids(
         self,

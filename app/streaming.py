@@ -41,8 +41,10 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the response was ready."""
 
 
-def sse_event(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+def sse_event(data: dict[str, Any], event: str | None = None) -> bytes:
+    """One SSE event; `event` names it (an `event:` line, as the Responses API sends)."""
+    head = b"" if event is None else b"event: " + event.encode() + b"\n"
+    return head + b"data: " + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
 
 
 async def sse_events(

@@ -1,16 +1,31 @@
-"""/v1/responses: POST (non-streaming) served by the chat pipeline; the stored responses'
-GET, DELETE and input_items (app/response_store.py), scoped to the tenant and cache_salt."""
+"""/v1/responses: POST served by the chat pipeline (`stream: true` as events); the stored
+responses' GET, DELETE and input_items (app/response_store.py), scoped to the tenant and
+cache_salt. A streamed response is stored as a non-streamed one is."""
 
-from typing import Annotated, Literal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from app.errors import APIError
+from app.formatting import ChoiceDelta
+from app.response_models import ChatCompletionResponse
+from app.response_store import StoredResponse
 from app.responses_request import ResponsesRequest
-from app.responses_serving import chain_items, chain_prefix, items_page, run_turn
-from app.routes.deps import AdmittedServing, Record, ResponsesStore
+from app.responses_serving import (
+    ResponsesStoreService,
+    Turn,
+    chain_items,
+    chain_prefix,
+    items_page,
+    run_turn,
+)
+from app.responses_stream import FinishResponse, ResponseStream, response_stream
+from app.routes.deps import AdmittedServing, Record, ResponsesStore, get_state
+from app.serving import Prepared, RequestRecord
 from engine.core.errors import ParamError
 
 router = APIRouter()
@@ -27,26 +42,63 @@ _FIELD_NAMES = {
 CacheSalt = Annotated[str | None, Query(description="The cache_salt the response was made with.")]
 
 
-@router.post("/v1/responses", response_model=None)
-async def create_response(
-    body: ResponsesRequest, serving: AdmittedServing, store: ResponsesStore, record: Record
-) -> JSONResponse:
-    previous = await store.previous(body, record)
+@contextmanager
+def named_as_responses() -> Iterator[None]:
+    """Errors of the translated chat request name the Responses fields the client sent."""
     try:
-        chat_request = body.to_chat_request(chain_items(previous))
+        yield
     except ValidationError as e:
         first = e.errors()[0]
         field = str(first["loc"][0]) if first["loc"] else "input"
         raise ParamError(_FIELD_NAMES.get(field, field), first["msg"]) from e
-    try:
-        prepared = await serving.prepare(chat_request, record, chain_prefix(previous))
-        turn = await run_turn(serving, prepared, record)
     except ParamError as e:
         raise ParamError(_FIELD_NAMES.get(e.param, e.param), e.message) from e
     except APIError as e:  # context length and the like name the chat field
         e.param = _FIELD_NAMES.get(e.param or "", e.param)
         raise
+
+
+@router.post("/v1/responses", response_model=None)
+async def create_response(
+    body: ResponsesRequest,
+    request: Request,
+    serving: AdmittedServing,
+    store: ResponsesStore,
+    record: Record,
+) -> Response:
+    previous = await store.previous(body, record)
+    with named_as_responses():
+        chat_request = body.to_chat_request(chain_items(previous))
+        prepared = await serving.prepare(chat_request, record, chain_prefix(previous))
+        serving.check_tenant_limits(prepared)
+        if body.stream:
+            finish = _stored_finish(store, body, record, previous, prepared)
+            stream = ResponseStream(serving, prepared, record, body, finish)
+            keepalive_seconds = serving.settings.keepalive_seconds
+            return response_stream(stream, keepalive_seconds, get_state(request).is_grace_over)
+        turn = await run_turn(serving, prepared, record)
     return JSONResponse(await store.finish(body, record, previous, turn))
+
+
+def _stored_finish(
+    store: ResponsesStoreService,
+    body: ResponsesRequest,
+    record: RequestRecord,
+    previous: StoredResponse | None,
+    prepared: Prepared,
+) -> FinishResponse:
+    """The streamed turn's terminal Response, made (and stored) as store.finish() makes a
+    non-streamed one."""
+    prompt_token_ids = list(prepared.engine_requests[0].prompt_token_ids)
+
+    async def finish(
+        chat: ChatCompletionResponse, deltas: list[ChoiceDelta], message_id: str
+    ) -> dict[str, Any]:
+        output_token_ids = [token_id for delta in deltas for token_id in delta.token_ids]
+        turn = Turn(chat, prompt_token_ids, output_token_ids, message_id)
+        return await store.finish(body, record, previous, turn)
+
+    return finish
 
 
 @router.get("/v1/responses/{response_id}", response_model=None)

@@ -26,6 +26,8 @@ ROOTS = (
     "ErrorResponse",
     "Response",
     "ResponseItemList",
+    "ResponseStreamEvent",
+    "TokenCountsResource",
 )
 _BASE_URI = "urn:openai-openapi"
 

@@ -95,7 +95,6 @@ BAD_INPUT = [
     ({"model": MODEL, "input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
     ({"model": MODEL, "input": "hi", "background": True}, "background"),
     ({"model": MODEL, "input": "hi", "include": ["file_search_call.results"]}, "include"),
-    ({"model": MODEL, "input": "hi", "stream": True}, "stream"),
     (
         {"model": MODEL, "input": "hi", "text": {"format": {"type": "json_schema"}}},
         "text.format",

@@ -324,12 +324,16 @@ def _show(body: Any) -> str:
 
 
 def request_fields(base_url: str) -> frozenset[str]:
-    """Every top-level field the app's chat and completions requests define."""
+    """Every top-level field the app's request bodies define (a 400 may name a missing one)."""
     doc = httpx.get(f"{base_url}/openapi.json", timeout=30).json()
     schemas = doc["components"]["schemas"]
     names = set()
-    for name in ("ChatCompletionRequest", "CompletionRequest"):
-        names |= set(schemas[name]["properties"])
+    for operations in doc["paths"].values():
+        for operation in operations.values():
+            content = operation.get("requestBody", {}).get("content", {})
+            ref = content.get("application/json", {}).get("schema", {}).get("$ref")
+            if ref is not None:
+                names |= set(schemas[ref.rsplit("/", 1)[-1]].get("properties", {}))
     return frozenset(names)
 
 

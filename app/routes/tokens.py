@@ -1,0 +1,43 @@
+"""POST /v1/responses/input_tokens, POST /tokenize, POST /detokenize (app/tokenization.py).
+
+Ready, not admitted: they take no slot in the engine's queue (no 429) and no tenant namespace;
+input_tokens reads the tenant's response store for a previous_response_id.
+"""
+
+from typing import Any
+
+import anyio
+from fastapi import APIRouter
+
+from app.routes.deps import ReadyServing, Record, ResponsesStore
+from app.routes.responses import named_as_responses
+from app.tokenization import (
+    DetokenizeRequest,
+    InputTokensRequest,
+    TokenizeRequest,
+    count_input_tokens,
+    detokenize,
+    tokenize,
+)
+
+router = APIRouter()
+
+
+@router.post("/v1/responses/input_tokens")
+async def create_input_tokens(
+    body: InputTokensRequest, serving: ReadyServing, store: ResponsesStore, record: Record
+) -> dict[str, Any]:
+    with named_as_responses():
+        request = body.to_responses_request(serving.model.name)
+        previous = await store.previous(request, record)  # the chain POST /v1/responses continues
+        return await anyio.to_thread.run_sync(count_input_tokens, serving, request, previous)
+
+
+@router.post("/tokenize")
+async def create_tokenize(body: TokenizeRequest, serving: ReadyServing) -> dict[str, Any]:
+    return await anyio.to_thread.run_sync(tokenize, serving, body)
+
+
+@router.post("/detokenize")
+async def create_detokenize(body: DetokenizeRequest, serving: ReadyServing) -> dict[str, Any]:
+    return await anyio.to_thread.run_sync(detokenize, serving, body)
