@@ -5,6 +5,7 @@ and decline every step or model it does not compute exactly."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -138,3 +139,12 @@ def test_a_bf16_cache_is_declined_untouched(library, make_tiny_model, make_step)
     before = hidden.clone()
     assert step.run(hidden, inputs.positions, inputs.meta, kv) is None
     assert torch.equal(hidden, before)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc")
+def test_the_kernels_share_torchs_openmp_runtime(library) -> None:
+    """One thread pool: the library resolves libgomp.so.1 to the copy torch loaded, so its
+    parallel regions and torch's never run two pools of threads against each other."""
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line and "r-xp" in line}
+    assert len(runtimes) == 1, runtimes
