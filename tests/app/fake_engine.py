@@ -139,6 +139,17 @@ class FakeEngine:
             return body[: params.max_tokens], FinishReason.LENGTH, None
         return [*body, self.eos_token_id], FinishReason.STOP, self.eos_token_id
 
+    def script_text(self, text: str) -> None:
+        """From now on every choice generates `text`, then EOS (cut at max_tokens)."""
+        ids = self.tokenizer.encode(text, False)
+
+        def scripted(params: SamplingParams, index: int):
+            if len(ids) >= params.max_tokens:
+                return ids[: params.max_tokens], FinishReason.LENGTH, None
+            return [*ids, self.eos_token_id], FinishReason.STOP, self.eos_token_id
+
+        self.script = scripted  # type: ignore[method-assign]
+
     def _is_aborted(self, request_id: str, index: int | None) -> bool:
         return (request_id, index) in self.aborts
 

@@ -77,3 +77,39 @@ def streamed_text(chunks: list[dict], index: int = 0, key: str = "content") -> s
             if choice["index"] == index:
                 parts.append(choice["delta"].get(key, "") if key == "content" else choice["text"])
     return "".join(parts)
+
+
+async def post_then_disconnect(
+    app, path: str, body: dict, disconnect, sent: list[dict], headers=(), send_override=None
+) -> None:
+    """POST `body` to `path` straight through the ASGI app; the client disconnects when the
+    `disconnect` event is set. Messages the app sends go to `sent` (or `send_override`)."""
+    data = json.dumps(body).encode()
+    delivered = False
+
+    async def receive() -> dict:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), *headers],
+        "client": ("127.0.0.1", 50000),
+        "server": ("kvshare", 80),
+    }
+    await app(scope, receive, send_override or send)

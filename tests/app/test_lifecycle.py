@@ -8,7 +8,7 @@ import logging
 import anyio
 import pytest
 from fake_engine import FakeEngine
-from helpers import chat_body, make_settings, open_client, wait_ready
+from helpers import chat_body, make_settings, open_client, post_then_disconnect, wait_ready
 from openai_schemas import assert_valid
 from tiny_tokenizer import FAKE_TEXTS
 
@@ -80,35 +80,8 @@ async def test_served_model_name_replaces_the_engine_name(engine) -> None:
 
 
 async def _call(app, body: dict, disconnect: anyio.Event, sent: list[dict], send_override=None):
-    data = json.dumps(body).encode()
-    delivered = False
-
-    async def receive() -> dict:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": data, "more_body": False}
-        await disconnect.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": CHAT,
-        "raw_path": CHAT.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"x-request-id", b"gone-1")],
-        "client": ("127.0.0.1", 50000),
-        "server": ("kvshare", 80),
-    }
-    await app(scope, receive, send_override or send)
+    headers = [(b"x-request-id", b"gone-1")]
+    await post_then_disconnect(app, CHAT, body, disconnect, sent, headers, send_override)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -10,7 +10,7 @@ import anyio
 import fake_engine
 import pytest
 from fake_engine import Failure, FakeEngine
-from helpers import MODEL, make_settings, wait_ready
+from helpers import MODEL, make_settings, post_then_disconnect, wait_ready
 from openai_schemas import VENDORED, assert_valid
 from tiny_tokenizer import FAKE_TEXTS
 
@@ -19,7 +19,6 @@ from app.responses_request import ResponsesRequest
 from app.responses_stream import ResponseStream
 from app.server import create_app
 from app.serving import RequestRecord
-from engine.core.protocol import FinishReason
 
 pytestmark = pytest.mark.anyio
 
@@ -56,18 +55,6 @@ CALL_TEXT = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 def engine(tokenizer_dir: Path) -> FakeEngine:
     """Room for a tools section in the prompt (the tiny tokenizer spells JSON in bytes)."""
     return FakeEngine(tokenizer_dir, max_model_len=4096)
-
-
-def script(engine: FakeEngine, text: str) -> None:
-    """Every request generates `text`, then EOS (cut at max_tokens)."""
-    ids = engine.tokenizer.encode(text, False)
-
-    def scripted(params, index):
-        if len(ids) >= params.max_tokens:
-            return ids[: params.max_tokens], FinishReason.LENGTH, None
-        return [*ids, engine.eos_token_id], FinishReason.STOP, engine.eos_token_id
-
-    engine.script = scripted  # type: ignore[method-assign]
 
 
 def _event_schemas() -> dict[str, str]:
@@ -188,7 +175,7 @@ async def test_an_engine_failure_mid_stream_ends_with_response_failed(
 async def test_a_forced_call_streams_function_call_events_only(
     client, engine: FakeEngine, tool_choice
 ) -> None:
-    script(engine, CALL_TEXT)
+    engine.script_text(CALL_TEXT)
     body = {"model": MODEL, "input": "weather?", "tools": TOOLS, "tool_choice": tool_choice}
     events = await stream(client, body)
     assert [e["type"] for e in events] == [
@@ -211,7 +198,7 @@ async def test_a_forced_call_streams_function_call_events_only(
 async def test_auto_text_then_a_call_is_a_message_then_a_function_call(
     client, engine: FakeEngine
 ) -> None:
-    script(engine, f"Let me check. <tool_call>{CALL_TEXT}</tool_call>")
+    engine.script_text(f"Let me check. <tool_call>{CALL_TEXT}</tool_call>")
     body = {"model": MODEL, "input": "weather?", "tools": TOOLS}
     events = await stream(client, body)
     kinds = [e["type"] for e in events]
@@ -232,7 +219,7 @@ async def test_auto_text_then_a_call_is_a_message_then_a_function_call(
 
 
 async def test_a_forced_call_cut_short_comes_back_as_text(client, engine: FakeEngine) -> None:
-    script(engine, CALL_TEXT)
+    engine.script_text(CALL_TEXT)
     body = {"model": MODEL, "input": "w", "tools": TOOLS, "tool_choice": "required"}
     events = await stream(client, {**body, "max_output_tokens": 16})
     assert events[-1]["type"] == "response.incomplete"
@@ -242,35 +229,7 @@ async def test_a_forced_call_cut_short_comes_back_as_text(client, engine: FakeEn
 
 
 async def _post_then_disconnect(app, body: dict, disconnect: anyio.Event, sent: list) -> None:
-    data = json.dumps(body).encode()
-    delivered = False
-
-    async def receive() -> dict:
-        nonlocal delivered
-        if not delivered:
-            delivered = True
-            return {"type": "http.request", "body": data, "more_body": False}
-        await disconnect.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": RESPONSES,
-        "raw_path": RESPONSES.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json")],
-        "client": ("127.0.0.1", 50000),
-        "server": ("kvshare", 80),
-    }
-    await app(scope, receive, send)
+    await post_then_disconnect(app, RESPONSES, body, disconnect, sent)
 
 
 async def test_client_disconnect_mid_stream_aborts_the_request(engine: FakeEngine) -> None:

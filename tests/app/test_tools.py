@@ -14,7 +14,6 @@ from tiny_tokenizer import build_tiny_tokenizer
 
 from app.json_schema import canonical_json
 from app.structured_output import MAX_PARALLEL_TOOL_CALLS, NO_ARGUMENTS
-from engine.core.protocol import FinishReason
 from engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -42,18 +41,6 @@ TIME_CALL = {"name": "get_time", "arguments": {}}
 def engine(tokenizer_dir: Path) -> FakeEngine:
     """Room for the tools section of the prompt (the tiny tokenizer spells JSON in bytes)."""
     return FakeEngine(tokenizer_dir, max_model_len=4096)
-
-
-def script(engine: FakeEngine, text: str) -> None:
-    """Every choice generates `text`, then EOS (cut at max_tokens)."""
-    ids = engine.tokenizer.encode(text, False)
-
-    def scripted(params, index):
-        if len(ids) >= params.max_tokens:
-            return ids[: params.max_tokens], FinishReason.LENGTH, None
-        return [*ids, engine.eos_token_id], FinishReason.STOP, engine.eos_token_id
-
-    engine.script = scripted  # type: ignore[method-assign]
 
 
 def tools_body(**fields: object) -> dict:
@@ -270,7 +257,7 @@ def calls_of(message: dict) -> list[dict]:
 
 
 async def test_named_call_is_a_tool_call_message(client, engine) -> None:
-    script(engine, json.dumps(CALL))
+    engine.script_text(json.dumps(CALL))
     body = (await client.post(CHAT, json=tools_body(tool_choice=NAMED))).json()
     assert_valid("CreateChatCompletionResponse", body)
     choice = body["choices"][0]
@@ -282,7 +269,7 @@ async def test_named_call_is_a_tool_call_message(client, engine) -> None:
 
 
 async def test_required_parallel_calls_get_unique_ids(client, engine) -> None:
-    script(engine, json.dumps([CALL, TIME_CALL]))
+    engine.script_text(json.dumps([CALL, TIME_CALL]))
     body = (await client.post(CHAT, json=tools_body(tool_choice="required", n=2))).json()
     for choice in body["choices"]:
         assert calls_of(choice["message"]) == [CALL, TIME_CALL]
@@ -294,7 +281,7 @@ AUTO_TEXT = f"Let me check.\n<tool_call>\n{json.dumps(CALL)}\n</tool_call>"
 
 
 async def test_auto_splits_content_and_calls(client, engine) -> None:
-    script(engine, AUTO_TEXT)
+    engine.script_text(AUTO_TEXT)
     body = (await client.post(CHAT, json=tools_body())).json()
     assert_valid("CreateChatCompletionResponse", body)
     message = body["choices"][0]["message"]
@@ -304,7 +291,7 @@ async def test_auto_splits_content_and_calls(client, engine) -> None:
 
 
 async def test_auto_text_without_a_call_is_plain_content(client, engine) -> None:
-    script(engine, "It is <b>sunny</b>, < 30 degrees.")
+    engine.script_text("It is <b>sunny</b>, < 30 degrees.")
     body = (await client.post(CHAT, json=tools_body())).json()
     assert body["choices"][0]["message"] == {
         "role": "assistant",
@@ -315,7 +302,7 @@ async def test_auto_text_without_a_call_is_plain_content(client, engine) -> None
 
 
 async def test_tool_choice_none_never_parses_calls(client, engine) -> None:
-    script(engine, AUTO_TEXT)
+    engine.script_text(AUTO_TEXT)
     body = (await client.post(CHAT, json=tools_body(tool_choice="none"))).json()
     assert body["choices"][0]["message"]["content"] == AUTO_TEXT
     assert "tool_calls" not in body["choices"][0]["message"]
@@ -323,7 +310,7 @@ async def test_tool_choice_none_never_parses_calls(client, engine) -> None:
 
 async def test_call_cut_by_max_tokens_comes_back_as_content(client, engine) -> None:
     text = json.dumps(CALL)
-    script(engine, text)
+    engine.script_text(text)
     body = (await client.post(CHAT, json=tools_body(tool_choice=NAMED, max_tokens=5))).json()
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length"
@@ -371,7 +358,7 @@ def assemble(chunks: list[dict], index: int = 0) -> tuple[str | None, list[dict]
     ids=["auto-text-and-call", "auto-call", "auto-text", "required", "named", "named-cut"],
 )
 async def test_streamed_tool_calls_equal_the_non_streamed(client, engine, text, fields) -> None:
-    script(engine, text)
+    engine.script_text(text)
     whole = (await client.post(CHAT, json=tools_body(**fields))).json()["choices"][0]
     response = await client.post(CHAT, json=tools_body(stream=True, **fields))
     content, calls, finish = assemble(sse_chunks(response.text))
