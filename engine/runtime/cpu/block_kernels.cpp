@@ -19,8 +19,15 @@
 // ISA levels (vectors.h). The horizontal sum (vectors.h) is the one reduction order of every
 // output element.
 
+#include <omp.h>
+
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -237,6 +244,248 @@ void block_rows(const uint8_t* table, const int64_t* ids, float* out, int rows, 
   }
 }
 
+// Panels: the same Q4_0, Q4_1 and Q8_0 blocks reordered at load so that one 32-weight group of
+// kPanel consecutive output columns lies together (engine/runtime/cpu/block_linear.py, to_panels):
+// the columns' fp16 scales (and Q4_1's minimums) as kPanel-wide arrays, then the code bytes
+// transposed, so code byte j of all kPanel columns is one 16-byte row. The bytes are those of the
+// GGUF blocks, moved: no size changes. A panel's codes expand to vectors whose lanes are output
+// columns, so each activation is broadcast into one FMA per kPanel weights, with no horizontal
+// sum, and the block scale and minimum leave the inner loop:
+//   sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k   (per 32-weight group)
+// where sum_k x_k is computed once per row and group for all columns. Per output element the
+// order is fixed: two chains (the group's "lo" and "hi" codes) summed in code order, added, times
+// d into the running sum, then m times the row's group sum; so the result does not depend on the
+// number of rows, the tile shape or the thread count (batch invariance by construction).
+constexpr int kPanel = kLanes;  // output columns per panel: one vector's lanes
+
+struct Codes {
+  vfloat lo, hi;
+};
+
+// kPanel fp16 values (one group's scales or minimums of the panel's columns) as floats.
+inline vfloat halves(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vfloat>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#else
+  vfloat v;
+  for (int i = 0; i < kPanel; ++i) v[i] = half(p + 2 * i);
+  return v;
+#endif
+}
+
+template <typename Byte>
+inline vint widen_int(const Byte* bytes) {
+  int32_t wide[kLanes];
+  for (int i = 0; i < kLanes; ++i) wide[i] = bytes[i];
+  vint v;
+  std::memcpy(&v, wide, sizeof(v));
+  return v;
+}
+
+// 4-bit panels: code row j holds, per column, the low nibble (weight j of the group) and the
+// high nibble (weight j + 16), as GGUF's byte j does.
+struct NibblePanel {
+  static constexpr int kSteps = 16;
+  static int lo_k(int j) { return j; }
+  static int hi_k(int j) { return j + 16; }
+  static Codes codes(const uint8_t* rows, int j) {
+    const vint v = widen_int(rows + kPanel * j);
+    return {__builtin_convertvector(v & 15, vfloat), __builtin_convertvector(v >> 4, vfloat)};
+  }
+};
+
+// Q4_0 panel: d[16], codes[16][16]; w = d q - 8 d.
+struct PanelQ4_0 : NibblePanel {
+  static constexpr int kBytes = 18 * kPanel, kCodes = 2 * kPanel;
+  static constexpr bool kHasMin = true;
+  static vfloat scales(const uint8_t* b) { return halves(b); }
+  static vfloat mins(const uint8_t* b) { return halves(b) * -8.f; }
+};
+
+// Q4_1 panel: d[16], m[16], codes[16][16]; w = d q + m.
+struct PanelQ4_1 : NibblePanel {
+  static constexpr int kBytes = 20 * kPanel, kCodes = 4 * kPanel;
+  static constexpr bool kHasMin = true;
+  static vfloat scales(const uint8_t* b) { return halves(b); }
+  static vfloat mins(const uint8_t* b) { return halves(b + 2 * kPanel); }
+};
+
+// Q8_0 panel: d[16], codes[32][16] (row k: weight k of each column, int8); w = d q. The two
+// chains are the even and odd weights.
+struct PanelQ8_0 {
+  static constexpr int kBytes = 34 * kPanel, kCodes = 2 * kPanel, kSteps = 16;
+  static constexpr bool kHasMin = false;
+  static int lo_k(int j) { return 2 * j; }
+  static int hi_k(int j) { return 2 * j + 1; }
+  static vfloat scales(const uint8_t* b) { return halves(b); }
+  static vfloat mins(const uint8_t*) { return vfloat{}; }
+  static Codes codes(const uint8_t* rows, int j) {
+    const int8_t* p = reinterpret_cast<const int8_t*>(rows + 2 * kPanel * j);
+    return {__builtin_convertvector(widen_int(p), vfloat),
+            __builtin_convertvector(widen_int(p + kPanel), vfloat)};
+  }
+};
+
+// Panels per tile: enough independent accumulator chains to hide the FMA latency at one row,
+// few enough that 3 x kRows x kTilePanels accumulators stay in registers (32 with AVX-512, 16
+// half-width ones below it).
+#if defined(__AVX512F__)
+constexpr int kWidePanels = 4, kPanelTileRows = 4;
+#else
+constexpr int kWidePanels = 2, kPanelTileRows = 2;
+#endif
+
+// out[r, 16 (p0 + c) + lane] for r < kRows, c < kTilePanels. sums [rows, K / 32]: each row's
+// group sums (read only with a minimum).
+template <typename P, int kRows, int kTilePanels>
+void panel_tile(const float* x, const float* sums, const uint8_t* weight, float* out, int64_t p0,
+                int in_features, int64_t out_features) {
+  const int groups = in_features / 32;
+  const int64_t panel_bytes = int64_t{groups} * P::kBytes;
+  vfloat acc[kTilePanels][kRows] = {};
+  for (int g = 0; g < groups; ++g) {
+    const uint8_t* block[kTilePanels];
+#pragma GCC unroll 4
+    for (int c = 0; c < kTilePanels; ++c) {
+      block[c] = weight + (p0 + c) * panel_bytes + int64_t{g} * P::kBytes;
+      for (int line = 0; line < P::kBytes; line += 64)
+        __builtin_prefetch(block[c] + kPrefetchBytes + line, 0, 0);
+    }
+    const float* xg = x + 32 * g;
+    vfloat lo[kTilePanels][kRows] = {}, hi[kTilePanels][kRows] = {};
+    for (int j = 0; j < P::kSteps; ++j) {
+#pragma GCC unroll 4
+      for (int c = 0; c < kTilePanels; ++c) {
+        const Codes w = P::codes(block[c] + P::kCodes, j);
+#pragma GCC unroll 4
+        for (int r = 0; r < kRows; ++r) {
+          lo[c][r] += w.lo * xg[r * int64_t{in_features} + P::lo_k(j)];
+          hi[c][r] += w.hi * xg[r * int64_t{in_features} + P::hi_k(j)];
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < kTilePanels; ++c) {
+      const vfloat d = P::scales(block[c]);
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) acc[c][r] += d * (lo[c][r] + hi[c][r]);
+      if constexpr (P::kHasMin) {
+        const vfloat m = P::mins(block[c]);
+#pragma GCC unroll 4
+        for (int r = 0; r < kRows; ++r) acc[c][r] += m * sums[r * int64_t{groups} + g];
+      }
+    }
+  }
+  for (int c = 0; c < kTilePanels; ++c)
+    for (int r = 0; r < kRows; ++r)
+      std::memcpy(out + r * out_features + (p0 + c) * kPanel, &acc[c][r], sizeof(vfloat));
+}
+
+// Panels [p, p + num) for every row tile: a row tile's pass over these panels finds their blocks in
+// cache from the one before (each weight byte is read from memory once per step).
+template <typename P>
+void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float* out, int64_t p,
+                 int num, int rows, int in_features, int64_t out_features) {
+  const int groups = in_features / 32;
+  for (int r0 = 0; r0 < rows; r0 += kPanelTileRows) {
+    const float* xs = x + r0 * int64_t{in_features};
+    const float* ss = sums + r0 * int64_t{groups};
+    float* ys = out + r0 * out_features;
+    const int K = in_features;
+    const int64_t V = out_features;
+    const int tile_rows = rows - r0 < kPanelTileRows ? rows - r0 : kPanelTileRows;
+    if (tile_rows == 1 && num == kWidePanels) {
+      panel_tile<P, 1, kWidePanels>(xs, ss, weight, ys, p, K, V);
+      continue;
+    }
+    for (int64_t q = p; q < p + num; q += 2) {
+      const bool pair = q + 2 <= p + num;
+      switch (tile_rows * 2 + pair) {
+        case 2: panel_tile<P, 1, 1>(xs, ss, weight, ys, q, K, V); break;
+        case 3: panel_tile<P, 1, 2>(xs, ss, weight, ys, q, K, V); break;
+        case 4: panel_tile<P, 2, 1>(xs, ss, weight, ys, q, K, V); break;
+        case 5: panel_tile<P, 2, 2>(xs, ss, weight, ys, q, K, V); break;
+#if defined(__AVX512F__)
+        case 6: panel_tile<P, 3, 1>(xs, ss, weight, ys, q, K, V); break;
+        case 7: panel_tile<P, 3, 2>(xs, ss, weight, ys, q, K, V); break;
+        case 8: panel_tile<P, 4, 1>(xs, ss, weight, ys, q, K, V); break;
+        default: panel_tile<P, 4, 2>(xs, ss, weight, ys, q, K, V);
+#endif
+      }
+      if (!pair) break;
+    }
+  }
+}
+
+// Each row's sum over each 32-weight group, in one fixed order (two halves added lane-wise, then
+// the tree of halves): sums [rows, K / 32].
+void group_sums(const float* x, float* sums, int rows, int in_features) {
+  const int groups = in_features / 32;
+  for (int r = 0; r < rows; ++r)
+    for (int g = 0; g < groups; ++g) {
+      const float* xg = x + r * int64_t{in_features} + 32 * g;
+      sums[r * int64_t{groups} + g] = sum(load(xg) + load(xg + kLanes));
+    }
+}
+
+template <typename P>
+void panel_linear(const float* x, const uint8_t* weight, float* out, int rows, int in_features,
+                  int64_t out_features, int num_threads) {
+  // The group sums live as long as the call; reused across calls (no allocation per step).
+  thread_local std::vector<float> sums;
+  if constexpr (P::kHasMin) {
+    sums.resize(static_cast<size_t>(rows) * (in_features / 32));
+    group_sums(x, sums.data(), rows, in_features);
+  }
+  const float* s = sums.data();
+  const int64_t num_panels = out_features / kPanel;
+#pragma omp parallel num_threads(num_threads)
+  {
+    // Each thread a contiguous run of panels, as even as whole panels allow.
+    const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t first = num_panels * t / n, last = num_panels * (t + 1) / n;
+    for (int64_t p = first; p < last; p += kWidePanels) {
+      const int num = static_cast<int>(last - p < kWidePanels ? last - p : kWidePanels);
+      panel_chunk<P>(x, s, weight, out, p, num, rows, in_features, out_features);
+    }
+  }
+}
+
+// Rows `ids` of a panel table (a tied embedding) as GGUF dequantizes them: d q (+ m) per weight,
+// exact in fp32 (a 4- or 8-bit code times an fp16 scale needs at most 19 bits).
+template <typename P>
+void panel_rows(const uint8_t* table, const int64_t* ids, float* out, int rows, int in_features) {
+  const int groups = in_features / 32;
+  const int64_t panel_bytes = int64_t{groups} * P::kBytes;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t panel = ids[r] / kPanel;
+    const int lane = static_cast<int>(ids[r] % kPanel);
+    float* y = out + r * int64_t{in_features};
+    for (int g = 0; g < groups; ++g) {
+      const uint8_t* block = table + panel * panel_bytes + int64_t{g} * P::kBytes;
+      const float d = P::scales(block)[lane], m = P::mins(block)[lane];
+      for (int j = 0; j < P::kSteps; ++j) {
+        const Codes w = P::codes(block + P::kCodes, j);
+        y[32 * g + P::lo_k(j)] = w.lo[lane] * d + m;
+        y[32 * g + P::hi_k(j)] = w.hi[lane] * d + m;
+      }
+    }
+  }
+}
+
+// Calls run(P{}) for a panel format code: kPanelCode plus GGML's type number.
+constexpr int kPanelCode = 100;
+
+template <typename Run>
+int with_panel_format(int format, Run&& run) {
+  switch (format) {
+    case kPanelCode + 2: return run(PanelQ4_0{});
+    case kPanelCode + 3: return run(PanelQ4_1{});
+    case kPanelCode + 8: return run(PanelQ8_0{});
+    default: return 1;
+  }
+}
+
 // Calls run(F{}) for a format code (GGML's type numbers: 2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K,
 // 14 Q6_K); 1 for a format this library has no kernel for.
 template <typename Run>
@@ -258,6 +507,13 @@ extern "C" {
 // 0 on success; 1 for an unknown format; 2 when in_features is not a whole number of blocks.
 int kvshare_block_linear(int format, const float* x, const uint8_t* weight, float* out, int rows,
                          int in_features, int64_t out_features, int num_threads) {
+  if (format > kPanelCode) {
+    if (in_features % 32 || out_features % kPanel) return 2;
+    return with_panel_format(format, [&](auto tag) {
+      panel_linear<decltype(tag)>(x, weight, out, rows, in_features, out_features, num_threads);
+      return 0;
+    });
+  }
   return with_format(format, [&](auto tag) {
     using F = decltype(tag);
     if (in_features % (32 * F::kGroups)) return 2;
@@ -268,6 +524,13 @@ int kvshare_block_linear(int format, const float* x, const uint8_t* weight, floa
 
 int kvshare_block_rows(int format, const uint8_t* table, const int64_t* ids, float* out, int rows,
                        int in_features) {
+  if (format > kPanelCode) {
+    if (in_features % 32) return 2;
+    return with_panel_format(format, [&](auto tag) {
+      panel_rows<decltype(tag)>(table, ids, out, rows, in_features);
+      return 0;
+    });
+  }
   return with_format(format, [&](auto tag) {
     using F = decltype(tag);
     if (in_features % (32 * F::kGroups)) return 2;

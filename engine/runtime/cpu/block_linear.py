@@ -30,6 +30,11 @@ BLOCK_FORMATS: dict[str, tuple[int, int, int]] = {
     "Q6_K": (14, 256, 210),
 }
 FORMAT_NAMES = {code: name for name, (code, _, _) in BLOCK_FORMATS.items()}
+# Formats block_kernels.cpp also computes as panels, with the fp16 fields at the head of each
+# block (scale, then Q4_1's minimum); a panel format's kernel code is PANEL_CODE + GGML's number.
+PANEL_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1}
+PANEL_CODE = 100
+PANEL_COLUMNS = 16  # output columns per panel: the kernels' vector lanes
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,9 @@ class BlockWeight:
     format: str  # a key of BLOCK_FORMATS
     data: torch.Tensor
     in_features: int
+    # "rows": GGUF's order, each row's blocks in turn; "panels": the same bytes reordered by
+    # to_panels (16 rows' blocks of each 32-weight group side by side), still [out, row bytes].
+    layout: str = "rows"
 
     def __post_init__(self) -> None:
         _, weights, size = BLOCK_FORMATS[self.format]
@@ -53,15 +61,52 @@ class BlockWeight:
 
     @property
     def code(self) -> int:
-        return BLOCK_FORMATS[self.format][0]
+        """The kernels' format code: GGML's type number, plus PANEL_CODE for panels."""
+        code = BLOCK_FORMATS[self.format][0]
+        return code + PANEL_CODE if self.layout == "panels" else code
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [out, in] as GGUF dequantizes it (gguf-py: the reference)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        qtype = GGMLQuantizationType(self.code)
-        return torch.from_numpy(dequantize(self.data.numpy(), qtype).astype(np.float32))
+        qtype = GGMLQuantizationType(BLOCK_FORMATS[self.format][0])
+        rows = to_rows(self).data.numpy()
+        return torch.from_numpy(dequantize(rows, qtype).astype(np.float32))
+
+
+def to_panels(weight: BlockWeight) -> BlockWeight:
+    """weight's blocks reordered as the panel kernels read them, when its format has them and
+    its rows come in whole panels; otherwise weight itself. Per 32-weight group of each panel
+    of 16 rows: the rows' fp16 scales side by side (and Q4_1's minimums), then the code bytes
+    transposed ([code byte][row]). A permutation of the same bytes: nothing is rounded."""
+    halves = PANEL_FORMATS.get(weight.format)
+    if halves is None or weight.layout != "rows" or weight.out_features % PANEL_COLUMNS:
+        return weight
+    _, per_block, size = BLOCK_FORMATS[weight.format]
+    groups = weight.in_features // per_block
+    # [panels, 16 rows, groups, block bytes] -> [panels, groups, 16 rows, block bytes]
+    blocks = weight.data.view(-1, PANEL_COLUMNS, groups, size).transpose(1, 2)
+    head = blocks[..., : 2 * halves].unflatten(-1, (halves, 2)).transpose(-3, -2)
+    codes = blocks[..., 2 * halves :].transpose(-2, -1)
+    panels = torch.cat([head.flatten(-3), codes.flatten(-2)], dim=-1)
+    data = panels.reshape(weight.out_features, groups * size).contiguous()
+    return BlockWeight(weight.format, data, weight.in_features, "panels")
+
+
+def to_rows(weight: BlockWeight) -> BlockWeight:
+    """The GGUF row order of a weight in either layout (to_panels undone)."""
+    if weight.layout == "rows":
+        return weight
+    halves = PANEL_FORMATS[weight.format]
+    _, per_block, size = BLOCK_FORMATS[weight.format]
+    groups = weight.in_features // per_block
+    panels = weight.data.view(-1, groups, PANEL_COLUMNS * size)
+    head = panels[..., : PANEL_COLUMNS * 2 * halves].unflatten(-1, (halves, PANEL_COLUMNS, 2))
+    codes = panels[..., PANEL_COLUMNS * 2 * halves :].unflatten(-1, (-1, PANEL_COLUMNS))
+    blocks = torch.cat([head.transpose(-3, -2).flatten(-2), codes.transpose(-2, -1)], dim=-1)
+    data = blocks.transpose(1, 2).reshape(weight.out_features, groups * size).contiguous()
+    return BlockWeight(weight.format, data, weight.in_features)
 
 
 class BlockLinear(nn.Module):
@@ -136,6 +181,7 @@ def concat_rows(weights: list[BlockWeight]) -> BlockWeight | None:
     """One BlockWeight of the rows of `weights` in order (a fused qkv or gate_up projection);
     None when their formats or row lengths differ."""
     first = weights[0]
+    assert all(w.layout == "rows" for w in weights), "concatenate before to_panels"
     if any(w.format != first.format or w.in_features != first.in_features for w in weights):
         return None
     return BlockWeight(first.format, torch.cat([w.data for w in weights]), first.in_features)

@@ -39,7 +39,7 @@ from torch import nn
 
 from engine.core.errors import ParamError
 from engine.runtime.cpu import capabilities
-from engine.runtime.cpu.block_linear import BlockEmbedding, BlockLinear, quantize_q8_0
+from engine.runtime.cpu.block_linear import BlockEmbedding, BlockLinear, quantize_q8_0, to_panels
 from engine.runtime.cpu.gguf_blocks import read_blocks
 from engine.runtime.cpu.linear import replace_linears
 from engine.runtime.cpu.native import NativeBuildError, load_library
@@ -185,8 +185,11 @@ def _q8_0_blocks(model: nn.Module) -> dict:
 
 
 def _replace_with_blocks(model: nn.Module, blocks: dict, library) -> int:
-    """Swap each named module for its block twin; a tied head reads the embedding's blocks."""
+    """Swap each named module for its block twin; a tied head reads the embedding's blocks.
+    Weights of the formats the panel kernels compute are reordered into panels first (the
+    same bytes; 1.7-2.5x faster than GGUF's row order, benchmarks/README.md)."""
     tied = model.lm_head is None
+    blocks = {name: to_panels(weight) for name, weight in blocks.items()}
     for name, weight in blocks.items():
         if tied and name == "lm_head":
             continue  # the checkpoint's own head is unused when the config ties it

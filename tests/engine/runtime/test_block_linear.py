@@ -1,7 +1,8 @@
 """The GGUF block kernels (engine/runtime/cpu/block_kernels.cpp) against F.linear on the weights
 as gguf-py dequantizes them, once per kernel build level this CPU executes (the forced lower
-levels included), on odd shapes; and batch invariance: a row's output is bit-identical alone
-and among 3 or 8 rows, and with 1 or 2 threads."""
+levels included), on odd shapes, in both layouts (GGUF's rows, and the panels to_panels makes of
+Q4_0, Q4_1 and Q8_0); and batch invariance: a row's output is bit-identical alone and among 3
+or 8 rows, and with 1 or 2 threads."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.runtime.cpu.block_linear import (
     BLOCK_FORMATS,
+    PANEL_FORMATS,
     BlockEmbedding,
     BlockLinear,
     BlockWeight,
     concat_rows,
     quantize_q8_0,
+    to_panels,
+    to_rows,
 )
 from engine.runtime.cpu.capabilities import available_isa_levels
 from engine.runtime.cpu.native import load_library
@@ -36,6 +40,8 @@ _HALF_FIELDS = {
     "Q6_K": [(208, 0.0005)],
 }
 FORMATS = list(BLOCK_FORMATS)
+# (format, layout): every format in GGUF's row order, and those with panel kernels as panels.
+LAYOUTS = [(fmt, "rows") for fmt in FORMATS] + [(fmt, "panels") for fmt in PANEL_FORMATS]
 
 
 @pytest.fixture(scope="module", params=available_isa_levels())
@@ -57,6 +63,20 @@ def random_blocks(fmt: str, out_features: int, in_features: int, seed: int) -> B
     return BlockWeight(fmt, data, in_features)
 
 
+def laid_out(weight: BlockWeight, layout: str) -> BlockWeight:
+    """weight in `layout`; panels only for whole panels of 16 rows (asserted: no silent rows)."""
+    if layout == "rows":
+        return weight
+    panels = to_panels(weight)
+    assert panels.layout == "panels" and panels.code == weight.code + 100
+    return panels
+
+
+def rows_for(layout: str, out_features: int) -> int:
+    """out_features, rounded up to whole panels for the panel layout."""
+    return out_features if layout == "rows" else -(-out_features // 16) * 16
+
+
 def randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -73,22 +93,26 @@ def in_features_of(fmt: str, multiple: int) -> int:
     return BLOCK_FORMATS[fmt][1] * multiple
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("out_features", "blocks_per_row"), [(1, 1), (7, 3), (13, 2), (130, 5)])
+@pytest.mark.parametrize(("fmt", "layout"), LAYOUTS)
+@pytest.mark.parametrize(
+    ("out_features", "blocks_per_row"), [(1, 1), (7, 3), (13, 2), (130, 5), (80, 18)]
+)
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 9])
 def test_matches_f_linear_on_the_dequantized_weights(
-    library, fmt: str, out_features: int, blocks_per_row: int, rows: int
+    library, fmt: str, layout: str, out_features: int, blocks_per_row: int, rows: int
 ) -> None:
+    out_features = rows_for(layout, out_features)
     weight = random_blocks(fmt, out_features, in_features_of(fmt, blocks_per_row), seed=rows)
-    layer = BlockLinear(weight, None, library)
+    layer = BlockLinear(laid_out(weight, layout), None, library)
     x = randn(rows, weight.in_features, seed=out_features)
     assert_close_to_reference(layer(x), x, weight.dequantize())
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_a_rows_output_is_bit_identical_at_1_3_and_8_rows(library, fmt: str) -> None:
-    weight = random_blocks(fmt, 37, in_features_of(fmt, 4), seed=1)
-    layer = BlockLinear(weight, None, library)
+@pytest.mark.parametrize(("fmt", "layout"), LAYOUTS)
+def test_a_rows_output_is_bit_identical_at_1_3_and_8_rows(library, fmt: str, layout: str) -> None:
+    # 112 rows: a tile of 4 panels, a pair and one left over (panels); 37: odd (rows)
+    weight = random_blocks(fmt, 37 if layout == "rows" else 112, in_features_of(fmt, 4), seed=1)
+    layer = BlockLinear(laid_out(weight, layout), None, library)
     crowd = randn(8, weight.in_features, seed=2)
     alone = layer(crowd[5:6])
     assert torch.equal(layer(crowd[3:6])[2:3], alone)
@@ -97,10 +121,12 @@ def test_a_rows_output_is_bit_identical_at_1_3_and_8_rows(library, fmt: str) -> 
     assert torch.equal(layer(crowd), torch.cat([layer(crowd[i : i + 1]) for i in range(8)]))
 
 
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q6_K"])
-def test_threads_split_outputs_never_the_sum(library, fmt: str) -> None:
-    weight = random_blocks(fmt, 50, in_features_of(fmt, 3), seed=3)
-    layer = BlockLinear(weight, None, library)
+@pytest.mark.parametrize(
+    ("fmt", "layout"), [("Q4_1", "rows"), ("Q6_K", "rows"), ("Q4_1", "panels")]
+)
+def test_threads_split_outputs_never_the_sum(library, fmt: str, layout: str) -> None:
+    weight = random_blocks(fmt, rows_for(layout, 50), in_features_of(fmt, 3), seed=3)
+    layer = BlockLinear(laid_out(weight, layout), None, library)
     x = randn(4, weight.in_features, seed=4)
     threads = torch.get_num_threads()
     try:
@@ -113,14 +139,40 @@ def test_threads_split_outputs_never_the_sum(library, fmt: str) -> None:
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_embedding_rows_are_the_dequantized_rows(library, fmt: str) -> None:
-    weight = random_blocks(fmt, 20, in_features_of(fmt, 2), seed=5)
-    table = BlockEmbedding(weight, library)
-    ids = torch.tensor([19, 0, 7, 7])
+@pytest.mark.parametrize(("fmt", "layout"), LAYOUTS)
+def test_embedding_rows_are_the_dequantized_rows(library, fmt: str, layout: str) -> None:
+    num_rows = rows_for(layout, 20)
+    weight = random_blocks(fmt, num_rows, in_features_of(fmt, 2), seed=5)
+    table = BlockEmbedding(laid_out(weight, layout), library)
+    ids = torch.tensor([num_rows - 1, 0, 7, 7, 17])
     assert torch.equal(table(ids), weight.dequantize()[ids])
     with pytest.raises(IndexError):
-        table(torch.tensor([20]))
+        table(torch.tensor([num_rows]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_panels_are_the_same_bytes_reordered(fmt: str) -> None:
+    weight = random_blocks(fmt, 48, in_features_of(fmt, 3), seed=13)
+    panels = to_panels(weight)
+    if fmt not in PANEL_FORMATS:  # K-quants keep GGUF's order
+        assert panels is weight
+        return
+    assert panels.data.shape == weight.data.shape and not torch.equal(panels.data, weight.data)
+    assert torch.equal(panels.data.flatten().sort().values, weight.data.flatten().sort().values)
+    assert torch.equal(to_rows(panels).data, weight.data)
+    assert torch.equal(panels.dequantize(), weight.dequantize())
+    # the first group of rows 0..15: their scales side by side, then code byte 0 of each
+    block_bytes = BLOCK_FORMATS[fmt][2]
+    first = weight.data[:16, :block_bytes]
+    assert torch.equal(panels.data.flatten()[:32], first[:, :2].flatten())
+    code_start = 2 * PANEL_FORMATS[fmt]
+    codes = panels.data.flatten()[16 * code_start : 16 * code_start + 16]
+    assert torch.equal(codes, first[:, code_start])
+
+
+def test_rows_that_are_not_whole_panels_keep_ggufs_order() -> None:
+    weight = random_blocks("Q4_1", 40, 64, seed=14)
+    assert to_panels(weight) is weight
 
 
 def test_bias_is_added(library) -> None:
