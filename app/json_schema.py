@@ -107,13 +107,27 @@ def _canonical(value: Any, keep_order: bool = False) -> Any:
     return {key: _canonical(value[key], key == "properties" and not keep_order) for key in keys}
 
 
-def check_schema(schema: Any) -> str:
+def canonical_text(schema: Any, param: str) -> str | None:
+    """canonical_json(schema), None for no schema; a ParamError naming `param` for one nested
+    past Python's stack. A request serializes each schema once, with this: the size cap
+    (app/limits.py) measures the text, check_schema takes it, the engine compiles it."""
+    if schema is None:
+        return None
+    try:
+        return canonical_json(schema)
+    except RecursionError:  # nested past Python's stack: far past any depth cap
+        raise ParamError(param, f"{param} holds a schema nested too deeply") from None
+
+
+def check_schema(schema: Any, text: str | None = None) -> str:
     """Raise SchemaRefused unless the grammar enforces all of `schema`; return its canonical
-    JSON. Checks run cheapest first: depth, size, JSON Schema validity, then keywords."""
+    JSON: `text` when the caller has it (canonical_text(schema)), else computed here. Checks
+    run cheapest first: depth, size, JSON Schema validity, then keywords."""
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
         raise SchemaRefused(f"{WHERE} nests {depth} levels deep; the limit is {MAX_SCHEMA_DEPTH}")
-    text = canonical_json(schema)
+    if text is None:
+        text = canonical_json(schema)
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         message = f"{WHERE} is {len(text.encode())} bytes of JSON; the limit is {MAX_SCHEMA_BYTES}"
         raise SchemaRefused(message)

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sized
 from dataclasses import dataclass, fields
-from typing import Any
 
-from app.json_schema import canonical_json
 from app.request_models import ChatCompletionRequest, CompletionRequest
 from app.settings import ServerSettings
 from engine.core.config import EngineConfig
@@ -55,8 +53,8 @@ class RequestLimits:
         )
         # The engine compiles all tools' parameters into one grammar: their sum is capped too.
         num_bytes = sum(
-            self._check_schema(tool.function.parameters, f"tools[{number}].function.parameters")
-            for number, tool in enumerate(request.tools or [])
+            self._check_schema(text, f"tools[{number}].function.parameters")
+            for number, text in enumerate(request.tool_schema_texts)
         )
         if num_bytes > self.max_schema_bytes:
             message = (
@@ -88,8 +86,7 @@ class RequestLimits:
                 raise ParamError("stop", message)
         bias = request.logit_bias or {}
         _at_most(bias, self.max_logit_bias_entries, "logit_bias", "entries")
-        format_schema = _response_format_schema(request.response_format)
-        self._check_schema(format_schema, "response_format")
+        self._check_schema(request.response_schema_text, "response_format")
 
     @staticmethod
     def _check_value(value: int | None, limit: int, param: str) -> None:
@@ -97,15 +94,12 @@ class RequestLimits:
             key = _KEYS[param]
             raise ParamError(param, f"{param} is {value}; the limit is {limit} ({key})")
 
-    def _check_schema(self, schema: Any, param: str) -> int:
-        """The size of `schema` as the canonical JSON the engine measures; ParamError over
-        max_schema_bytes."""
-        if schema is None:
+    def _check_schema(self, text: str | None, param: str) -> int:
+        """The size of a schema's canonical JSON `text` (the request's, which the engine
+        measures too); ParamError over max_schema_bytes."""
+        if text is None:
             return 0
-        try:
-            num_bytes = len(canonical_json(schema).encode())
-        except RecursionError:  # nested past Python's stack: far past any depth cap
-            raise ParamError(param, f"{param} holds a schema nested too deeply") from None
+        num_bytes = len(text.encode())
         if num_bytes > self.max_schema_bytes:
             message = (
                 f"{param} holds a schema of {num_bytes} bytes of JSON; the limit is "
@@ -134,12 +128,3 @@ def _at_most(items: Sized, limit: int, param: str, what: str) -> None:
     if len(items) > limit:
         message = f"{param} has {len(items)} {what}; the limit is {limit} ({_KEYS[param]})"
         raise ParamError(param, message)
-
-
-def _response_format_schema(response_format: Any) -> Any:
-    """The json_schema.schema inside a raw response_format, if there is one (the format
-    itself is checked later, by app/structured_output.py)."""
-    if not isinstance(response_format, dict):
-        return None
-    spec = response_format.get("json_schema")
-    return spec.get("schema") if isinstance(spec, dict) else None

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, SkipValidation, Strict
 
+from app.json_schema import canonical_text
 from app.request_parts import (
     ChatMessage,
     NamedToolChoice,
@@ -17,7 +18,11 @@ from app.request_parts import (
     StreamOptions,
     Tool,
 )
-from app.structured_output import structured_output, tool_structured_output
+from app.structured_output import (
+    response_format_schema,
+    structured_output,
+    tool_structured_output,
+)
 from engine.core.errors import ParamError
 from engine.core.fair_share import MAX_PRIORITY, MIN_PRIORITY
 from engine.core.sampling_params import SamplingParams, StructuredOutput
@@ -116,9 +121,15 @@ class _SamplingRequest(RequestModel):
         return bool(self.no_stop_trim or self.include_stop_str_in_output)
 
     @cached_property
+    def response_schema_text(self) -> str | None:
+        """response_format's json_schema.schema as canonical JSON (None without one), made once
+        per request: app/limits.py caps its size, structured_output checks it and sends it."""
+        return canonical_text(response_format_schema(self.response_format), "response_format")
+
+    @cached_property
     def structured(self) -> StructuredOutput | None:
         """The output constraint response_format asks for (checked once per request)."""
-        return structured_output(self.response_format)
+        return structured_output(self.response_format, self.response_schema_text)
 
     @property
     def skips_special_tokens(self) -> bool:
@@ -204,15 +215,28 @@ class ChatCompletionRequest(_SamplingRequest):
         return [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @cached_property
+    def tool_schema_texts(self) -> list[str | None]:
+        """Each tool's parameters as canonical JSON (None where it has none), made once per
+        request, as response_schema_text is."""
+        return [
+            canonical_text(tool.function.parameters, f"tools[{number}].function.parameters")
+            for number, tool in enumerate(self.tools or [])
+        ]
+
+    @cached_property
     def structured(self) -> StructuredOutput | None:
         """response_format's constraint, or the one tool_choice asks for (never both)."""
         mode = self.tool_mode
+        response_format = structured_output(self.response_format, self.response_schema_text)
         if mode in (None, "none"):
-            return structured_output(self.response_format)
-        if structured_output(self.response_format) is not None:
+            return response_format
+        if response_format is not None:
             message = 'response_format cannot be combined with tools unless tool_choice is "none"'
             raise ParamError("response_format", message)
-        return tool_structured_output(self.tools or [], mode, self.tool_choice, self.parallel_calls)
+        texts = self.tool_schema_texts
+        return tool_structured_output(
+            self.tools or [], mode, self.tool_choice, self.parallel_calls, texts
+        )
 
     @property
     def parallel_calls(self) -> bool:

@@ -31,8 +31,20 @@ NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": Fals
 _RESPONSE_FORMAT: TypeAdapter[Any] = TypeAdapter(ResponseFormat)
 
 
-def structured_output(response_format: Any) -> StructuredOutput | None:
+def response_format_schema(response_format: Any) -> Any:
+    """The json_schema.schema inside a raw response_format, if there is one (the format
+    itself is checked by structured_output)."""
+    if not isinstance(response_format, dict):
+        return None
+    spec = response_format.get("json_schema")
+    return spec.get("schema") if isinstance(spec, dict) else None
+
+
+def structured_output(
+    response_format: Any, schema_text: str | None = None
+) -> StructuredOutput | None:
     """The engine's constraint for a raw `response_format` value; ParamError names the problem.
+    `schema_text`: its schema's canonical text when the request has it already.
 
     Validated here rather than as a pydantic field so that every error says exactly what is
     wrong with response_format (the generic validation handler would only name the field).
@@ -50,7 +62,7 @@ def structured_output(response_format: Any) -> StructuredOutput | None:
     if parsed.json_schema.schema_ is None:
         message = 'response_format of type "json_schema" needs json_schema.schema (an object)'
         raise ParamError("response_format", message)
-    return StructuredOutput("json_schema", check_schema(parsed.json_schema.schema_))
+    return StructuredOutput("json_schema", check_schema(parsed.json_schema.schema_, schema_text))
 
 
 def _response_format_message(error: ValidationError, response_format: Any) -> str:
@@ -71,7 +83,11 @@ def _response_format_message(error: ValidationError, response_format: Any) -> st
 
 
 def tool_structured_output(
-    tools: list[Tool], mode: str, tool_choice: NamedToolChoice | str | None, parallel: bool = True
+    tools: list[Tool],
+    mode: str,
+    tool_choice: NamedToolChoice | str | None,
+    parallel: bool = True,
+    schema_texts: list[str | None] | None = None,
 ) -> StructuredOutput:
     """The grammar behind a tool_choice other than "none".
 
@@ -83,10 +99,13 @@ def tool_structured_output(
     The text keeps "name" before "arguments" (the grammar writes properties in schema order,
     and a streamed call starts with its name). In a forced call the parameters sit inside a
     wrapper, so a tool whose parameters hold a `$ref` is hoisted under the wrapper's `$defs`
-    (see _hoisted).
+    (see _hoisted). `schema_texts`: the tools' parameters as canonical text, when the request
+    has them already (ChatCompletionRequest.tool_schema_texts).
     """
+    texts = schema_texts if schema_texts is not None else [None] * len(tools)
     parameters = {
-        tool.function.name: _tool_parameters(number, tool) for number, tool in enumerate(tools)
+        tool.function.name: _tool_parameters(number, tool, text)
+        for number, (tool, text) in enumerate(zip(tools, texts, strict=True))
     }
     if mode == "auto":
         listed = [{"name": name, "parameters": schema} for name, schema in parameters.items()]
@@ -153,14 +172,15 @@ def _rewrite_refs(node: Any, prefix: str, is_name_map: bool = False) -> tuple[An
     return out, total
 
 
-def _tool_parameters(number: int, tool: Tool) -> dict[str, Any]:
-    """tools[number]'s parameters schema, checked as response_format schemas are."""
+def _tool_parameters(number: int, tool: Tool, text: str | None) -> dict[str, Any]:
+    """tools[number]'s parameters schema (`text`: its canonical text, if known), checked as
+    response_format schemas are."""
     schema = tool.function.parameters
     if schema is None:
         return NO_ARGUMENTS
     param = f"tools[{number}].function.parameters"
     try:
-        return json.loads(check_schema(schema))  # canonical: equal schemas, equal grammars
+        return json.loads(check_schema(schema, text))  # canonical: equal schemas, equal grammars
     except SchemaRefused as e:
         raise ParamError(param, e.message.replace(SCHEMA_WHERE, param)) from e
 

@@ -287,8 +287,8 @@ class Scheduler:
         for seq, draft in drafted:
             if seq.status is not SequenceStatus.RUNNING or step.budget == 0:
                 continue  # preempted for an older sequence's slots, or no budget left
-            draft = self.spec.fit(seq, draft, step.budget)
-            if self._reserve_slots(step, seq, 1 + len(draft)):
+            draft = self.spec.allocate(seq, draft, step.budget)
+            if draft or self._reserve_slots(step, seq, 1):
                 step.add_chunk(seq, 1 + len(draft), draft)
 
     def _schedule_running_prefills(self, step: StepBuilder) -> None:

@@ -57,13 +57,14 @@ class SpecScheduling:
         room = min(num_outputs_left, self.max_model_len - seq.num_tokens) - 1
         return self.proposer.propose_in(seq.search_bytes(), min(room, max_num_tokens))
 
-    def fit(self, seq: Sequence, draft: list[int], budget: int) -> list[int]:
-        """The draft to schedule after seq's last token within `budget` tokens: cut to fit,
-        and [] (decode one token as usual) when the pool cannot hold it without preempting."""
+    def allocate(self, seq: Sequence, draft: list[int], budget: int) -> list[int]:
+        """The draft to schedule after seq's last token within `budget` tokens, cut to fit,
+        with the slots of all 1 + k tokens allocated; [] (nothing allocated: decode one token
+        as usual) when there is no draft left or the pool cannot hold it without preempting."""
         draft = draft[: budget - 1]
-        if not self.kv_cache_manager.can_allocate(seq, 1 + len(draft)):
-            return []
-        return draft
+        if draft and self.kv_cache_manager.allocate_slots(seq, 1 + len(draft)):
+            return draft
+        return []
 
     def verify(
         self,

@@ -151,11 +151,6 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Whether allocate_slots(seq, num_new_tokens) would succeed now (evicting if need be)."""
-        cow_indices, num_new_blocks = self._blocks_needed(seq, num_new_tokens)
-        return self._num_available_blocks(len(cow_indices) + num_new_blocks) >= 0
-
     # -- allocation -------------------------------------------------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make seq's next `num_new_tokens` slots exist and be writable; False if no room.

@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator
 
 import anyio
 import httpx
+import pytest
 from fake_engine import FakeEngine
 from fastapi import FastAPI
 
+import app.json_schema
 from app.server import create_app
 from app.settings import ServerSettings, Settings
 
@@ -113,3 +115,18 @@ async def post_then_disconnect(
         "server": ("kvshare", 80),
     }
     await app(scope, receive, send_override or send)
+
+
+def spy_schema_serializations(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """What app/json_schema.py serializes from now on (every canonical schema text is its
+    json.dumps), in order: a request's schema should appear once."""
+    dumped: list[object] = []
+
+    class CountingJson:
+        @staticmethod
+        def dumps(value: object, **kwargs: object) -> str:
+            dumped.append(value)
+            return json.dumps(value, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(app.json_schema, "json", CountingJson)
+    return dumped

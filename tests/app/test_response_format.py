@@ -7,7 +7,7 @@ import json
 
 import pytest
 from fake_engine import FakeEngine
-from helpers import chat_body
+from helpers import chat_body, spy_schema_serializations
 from openai_schemas import assert_valid
 
 from app.json_schema import (
@@ -81,6 +81,19 @@ async def test_equal_schemas_give_equal_text(client, engine: FakeEngine):
             await client.post(CHAT, json=chat_body(response_format=json_schema(schema)))
         ).status_code == 200
     assert {r.sampling_params.structured.schema for r in engine.requests} == {CANONICAL}
+
+
+@pytest.mark.parametrize("url", [CHAT, COMPLETIONS])
+async def test_the_schema_is_serialized_once_per_request(
+    client, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, url
+):
+    """One canonical text serves the size cap (app/limits.py), the keyword check and the
+    engine: the schema is serialized once."""
+    serialized = spy_schema_serializations(monkeypatch)
+    response = await client.post(url, json=body_for(url, json_schema()))
+    assert response.status_code == 200, response.text
+    assert serialized == [SCHEMA]
+    assert engine.requests[0].sampling_params.structured.schema == CANONICAL
 
 
 async def test_streamed_request_carries_the_constraint(client, engine: FakeEngine):

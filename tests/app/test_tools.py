@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from fake_engine import FakeEngine
-from helpers import chat_body, sse_chunks
+from helpers import chat_body, spy_schema_serializations, sse_chunks
 from openai_schemas import assert_valid
 from tiny_tokenizer import build_tiny_tokenizer
 
@@ -179,6 +179,17 @@ async def test_tool_choice_reaches_the_engine_as_its_grammar(client, engine, fie
         assert structured is None
     else:
         assert (structured.kind, json.loads(structured.schema)) == (kind, schema)
+
+
+@pytest.mark.parametrize("fields", [fields for fields, kind, _ in STRUCTURED if kind])
+async def test_parameters_are_serialized_once_per_request(client, engine, monkeypatch, fields):
+    """The size caps (app/limits.py) and the keyword check share one canonical text of each
+    tool's parameters; the grammar's own document (the calls around them) is one more."""
+    serialized = spy_schema_serializations(monkeypatch)
+    response = await client.post(CHAT, json={**tools_body(), **fields})
+    assert response.status_code == 200, response.text
+    assert serialized.count(WEATHER) == 1
+    assert len(serialized) == 2
 
 
 async def test_call_grammar_puts_the_name_first_and_canonical_parameters(client, engine):

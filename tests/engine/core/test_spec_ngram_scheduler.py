@@ -84,3 +84,43 @@ def test_a_stop_inside_a_kept_draft_ends_the_choice_there():
     choice = outputs[0].outputs[0]
     assert (choice.new_token_ids, choice.stop_token_id) == ([1], 1)
     assert outputs[0].finished and scheduler.kv_cache_manager.num_free_blocks == 16
+
+
+def test_a_drafted_decode_checks_the_pool_once(monkeypatch):
+    """The draft's slots are allocated in the same call that finds room for them."""
+    scheduler = make()
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    scheduler.add_request(EngineRequest("r", [1, 2, 3, 1, 2], params))
+    answer(scheduler, {0: [3]})
+    manager = scheduler.kv_cache_manager
+    blocks_needed = manager._blocks_needed
+    asked: list[tuple[int, int]] = []
+
+    def spy(seq, num_new_tokens):
+        asked.append((seq.seq_id, num_new_tokens))
+        return blocks_needed(seq, num_new_tokens)
+
+    monkeypatch.setattr(manager, "_blocks_needed", spy)
+    out = scheduler.schedule()
+    assert asked == [(0, 4)]  # last token + draft 1 2 3, one room check
+    assert out.seqs[0].block_ids == [0, 1, 2] and out.slot_mapping == [5, 6, 7, 8]
+
+
+def test_a_draft_the_pool_cannot_hold_is_dropped_without_preempting():
+    scheduler = make(num_blocks=4)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    scheduler.add_request(EngineRequest("a", [1, 2, 3, 1, 2], params))
+    scheduler.add_request(EngineRequest("b", [5, 6, 7, 8, 9], params))
+    answer(scheduler, {0: [3], 1: [4]})  # a: blocks 0 1, b: blocks 2 3; the pool is full
+    out, outputs = answer(scheduler, {1: [6], 0: [1]})
+    # a's draft 1 2 3 needs a fifth block: dropped, a decodes one token into its own block 1,
+    # after b's plain decode; nobody is preempted for it.
+    assert [(s.seq_id, s.token_ids, s.draft_token_ids) for s in out.seqs] == [
+        (1, [4], []),
+        (0, [3], []),
+    ]
+    assert [s.block_ids for s in out.seqs] == [[2, 3], [0, 1]]
+    assert out.slot_mapping == [13, 5] and out.num_decodes == 1
+    assert scheduler.counters.num_preemptions == 0
+    assert [o.outputs[0].new_token_ids for o in outputs] == [[6], [1]]
+    assert scheduler.kv_cache_manager.num_free_blocks == 0

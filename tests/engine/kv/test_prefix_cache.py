@@ -150,8 +150,8 @@ def test_allocation_evicts_cached_blocks_before_it_fails() -> None:
     admit_and_compute(manager, first)
     manager.free(first)  # blocks 0, 1 stay cached; 2, 3 are free
     other = make_seq(1, list(range(100, 116)))  # 4 blocks, shares nothing
-    assert manager.can_allocate(other, 16)
-    assert not manager.can_allocate(other, 17)
+    assert not manager.allocate_slots(other, 17)  # 5 blocks: not even after evicting
+    assert (other.block_ids, manager.num_evictions) == ([], 0)
     assert manager.admit(other, 16) == 16
     assert other.block_ids == [2, 3, 1, 0]  # evicted tail first, reused oldest-freed first
     assert manager.num_evictions == 2
