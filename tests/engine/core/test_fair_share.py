@@ -111,13 +111,14 @@ STEP_SECONDS = 0.25  # exact in binary, so the active window ends on a step boun
 class StepClock:
     """Step k (from 1) runs from (k - 1) * STEP_SECONDS to k * STEP_SECONDS: the time is the
     fake runner's step count, so schedule() reads a step's start and update_from_output its
-    end."""
+    end; plus idle_seconds, the time the engine spent without a step."""
 
     def __init__(self) -> None:
         self.runner: FakeRunner | None = None
+        self.idle_seconds = 0.0
 
     def __call__(self) -> float:
-        return STEP_SECONDS * len(self.runner.steps)
+        return STEP_SECONDS * len(self.runner.steps) + self.idle_seconds
 
 
 NUM_BLOCKS = 8  # small enough that the workload preempts
@@ -356,6 +357,31 @@ def test_the_cap_never_throttles_the_least_served_of_two_floods() -> None:
     steps = prefill_chunks(scheduler, runner, prompts)
     a, b = [("a0", 64)], [("b0", 64)]
     assert steps[:7] == [a, b, a, a, b, a, b]
+
+
+@pytest.mark.parametrize("how", ["finished", "aborted"])
+def test_a_request_ends_when_it_finishes_or_is_aborted_not_at_the_next_step(how) -> None:
+    # B's request ends, then the engine idles 10 s, then A floods: B is not active any more
+    # (counted from the next step, B would be, and the least served: A capped at step 2).
+    scheduler, runner = capped(16)
+    scheduler.add_request(request("b0", [60, 61, 62, 63], "B", max_tokens=2))
+    step(scheduler, runner)
+    if how == "aborted":
+        scheduler.abort_request("b0")
+    else:
+        step(scheduler, runner)
+    assert not scheduler.has_unfinished_requests()
+    scheduler.fair_share.clock.idle_seconds = 10.0
+    prompts = {"b0": [60, 61, 62, 63], "a0": list(range(1000, 1300))}
+    run(scheduler, runner, {0: [request("a0", prompts["a0"], "A", max_tokens=2)]})
+    steps = prefill_chunks(scheduler, runner, prompts)
+    assert [chunks for chunks in steps if chunks and chunks[0][0] == "a0"] == [
+        [("a0", 64)],
+        [("a0", 64)],
+        [("a0", 64)],
+        [("a0", 64)],
+        [("a0", 44)],
+    ]
 
 
 def test_active_tenants_stay_active_for_the_window_after_their_last_request() -> None:
