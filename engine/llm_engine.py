@@ -131,6 +131,8 @@ class LLMEngine:
                 cached_prompt=self.config.fair_share_cached_prompt_weight,
                 output=self.config.fair_share_output_weight,
             ),
+            fair_share_prefill_tokens=self.config.fair_share_prefill_tokens,
+            fair_share_active_seconds=self.config.fair_share_active_seconds,
         )
 
     def _build_proposer(self) -> NgramProposer | None:
@@ -218,9 +220,9 @@ class LLMEngine:
         """Audit work in the budget this step left; an audit failure never fails requests."""
         if not self.auditor.num_pending:
             return
-        num_leftover = self.config.max_num_batched_tokens - sched_out.num_batched_tokens
+        num_spare_blocks = self.scheduler.num_running
         try:
-            self.auditor.run(num_leftover, num_spare_blocks=self.scheduler.num_running)
+            self.auditor.run(sched_out.num_spare_tokens, num_spare_blocks=num_spare_blocks)
         except Exception:
             logger.exception("prefix-cache audit failed; dropping the queued audits")
             self.auditor.drop_all()

@@ -39,11 +39,12 @@ going: their attention has used the KV already, and failing every request that s
 prefix would turn a detector into an outage; the audit reports them instead.
 
 Cost. Audit tokens run as a separate eager forward after the step, only in the budget the
-step left (max_num_batched_tokens - scheduled tokens) and at most audit_max_tokens_per_step; a
-long prompt takes several steps. Private blocks come only from free or evictable blocks, and
-leave one block per running sequence. A sampled hit beyond audit_max_pending queued audits,
-and an audit that could not progress for MAX_IDLE_STEPS steps (a saturated engine), are
-dropped and counted (num_audits_dropped).
+step left (max_num_batched_tokens - scheduled tokens, within the fair-share prefill cap while
+several tenants are active: SchedulerOutput.num_spare_tokens) and at most
+audit_max_tokens_per_step; a long prompt takes several steps. Private blocks come only from
+free or evictable blocks, and leave one block per running sequence. A sampled hit beyond
+audit_max_pending queued audits, and an audit that could not progress for MAX_IDLE_STEPS steps
+(a saturated engine), are dropped and counted (num_audits_dropped).
 
 Fault drills that show the audit at work live in engine/audit/faults.py.
 """

@@ -84,6 +84,8 @@ class SchedulerOutput:
 
     finished_request_ids: requests that finished (any reason) since the previous
     SchedulerOutput, so the runtime drops what it keeps per request (grammar matchers).
+    num_spare_tokens: what other work (the cache audit) may compute after this step: the
+    budget left unused, within the fair-share prefill cap.
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
@@ -91,6 +93,7 @@ class SchedulerOutput:
     block_copies: list[BlockCopy] = field(default_factory=list)
     num_decodes: int = 0
     finished_request_ids: list[str] = field(default_factory=list)
+    num_spare_tokens: int = 0
 
     @property
     def num_batched_tokens(self) -> int:

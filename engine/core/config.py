@@ -67,6 +67,11 @@ class EngineConfig:
     fair_share_prompt_weight: float = 1.0
     fair_share_cached_prompt_weight: float = 0.1
     fair_share_output_weight: float = 2.0
+    # fair-share, while two or more tenants are active (a live request, or the last one ended
+    # less than fair_share_active_seconds ago): the prefill tokens per step of every tenant
+    # but the least-served active one, together (0: no cap; engine/core/fair_share.py).
+    fair_share_prefill_tokens: int = 32
+    fair_share_active_seconds: float = 1.0  # 0: only tenants with a live request are active
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     native_decode: bool = True  # CPU, block weights: decode steps' layers in one native call
@@ -133,6 +138,12 @@ class EngineConfig:
                 )
                 for kind in ("prompt", "cached_prompt", "output")
             ),
+            (
+                self.fair_share_prefill_tokens >= 0,
+                "fair_share_prefill_tokens",
+                "must be >= 0 (0: no cap)",
+            ),
+            (self.fair_share_active_seconds >= 0.0, "fair_share_active_seconds", "must be >= 0"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1"),
             *(
                 (getattr(self, name) in choices, name, _one_of(choices))

@@ -7,12 +7,20 @@ backlogged tenant with the least counter first. A tenant that becomes active (no
 request before this one) has its counter lifted to the least of the active tenants', so it
 cannot bank credit while idle. Within a tenant: priority (lower first), then arrival order.
 
-With one tenant (no API keys) every order here is queue order: fair share is then fcfs.
+The prefill cap (PrefillCap): while two or more tenants are active (ActiveTenants: a live
+request, or the last one ended less than a window ago), the least-served active tenant
+prefills under the step's budget and everyone else's prefill tokens in the step share a small
+cap. A step costs about linear time in its prefill tokens on a CPU, so short steps bound how
+long a tenant that sends a request waits for the step in progress.
+
+With one tenant (no API keys) every order here is queue order and no cap applies: fair share
+is then fcfs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from engine.core.sequence import Sequence
@@ -45,12 +53,70 @@ def preemption_victim(running: list[Sequence], scheduled_ids: set[int]) -> Seque
     return running[max(candidates)[1]]
 
 
-class FairShare:
-    """The tenants' virtual token counters. Engine thread only; the Scheduler charges it."""
+@dataclass
+class PrefillCap:
+    """One step's prefill limit while two or more tenants are active.
 
-    def __init__(self, weights: FairShareWeights | None = None) -> None:
+    `favoured` (the least-served active tenant) prefills under the step's budget alone; the
+    other tenants' prefill tokens together take at most num_tokens_left, which the favoured
+    tenant's own tokens use up as well: a step that carries its prompt carries little else.
+    """
+
+    favoured: str
+    num_tokens_left: int
+
+    def limit(self, tenant: str) -> int | None:
+        """The most prefill tokens `tenant` may still take this step; None: no limit."""
+        return None if tenant == self.favoured else self.num_tokens_left
+
+    def take(self, num_tokens: int) -> None:
+        """num_tokens of prefill (anyone's) were scheduled."""
+        self.num_tokens_left = max(0, self.num_tokens_left - num_tokens)
+
+
+class ActiveTenants:
+    """Which tenants are active: those with a live request, and those whose last request
+    ended less than window_seconds ago (window 0: live ones only).
+
+    The Scheduler observes the live tenants at the start and the end of every step and
+    after an abort, so a tenant that is found without a request counts as ended then.
+    """
+
+    def __init__(self, window_seconds: float) -> None:
+        self.window_seconds = window_seconds
+        self._last_live: dict[str, float] = {}  # tenant -> when it was last seen live
+        self._live: set[str] = set()  # live at the previous observation
+
+    def observe(self, live_tenants: Iterable[str], now: float) -> list[str]:
+        """The active tenants at `now`: the live ones in the order given, then the others."""
+        live = list(dict.fromkeys(live_tenants))
+        for tenant in [*live, *self._live]:  # live until now, or ended since the last look
+            self._last_live[tenant] = now
+        self._live = set(live)
+        self._last_live = {
+            tenant: seen for tenant, seen in self._last_live.items()
+            if now - seen < self.window_seconds or tenant in self._live
+        }  # fmt: skip
+        return [*live, *(tenant for tenant in self._last_live if tenant not in self._live)]
+
+
+class FairShare:
+    """The tenants' virtual token counters, and which tenants are active for the prefill cap
+    (prefill_tokens per step, 0: no cap). Engine thread only; the Scheduler charges it and
+    calls observe() whenever requests may have ended (after a step, an abort)."""
+
+    def __init__(
+        self,
+        weights: FairShareWeights | None = None,
+        prefill_tokens: int = 0,
+        active_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.weights = weights or FairShareWeights()
         self.counters: dict[str, float] = {}  # tenant -> weighted service so far
+        self.prefill_tokens = prefill_tokens
+        self.active_tenants = ActiveTenants(active_seconds)
+        self.clock = clock
 
     def activate(self, tenant: str, active_tenants: Iterable[str]) -> None:
         """tenant gets a request and had none live: lift its counter to the least of the
@@ -101,3 +167,20 @@ class FairShare:
     def order_running(self, running: Iterable[Sequence]) -> list[Sequence]:
         """Running sequences for prefill chunks: least counter first, then queue order."""
         return sorted(running, key=lambda seq: self.counter(seq.tenant))
+
+    def observe(self, live_tenants: Iterable[str]) -> list[str]:
+        """The active tenants now, the live ones (in the order given) first; tracked only
+        while there is a cap."""
+        if self.prefill_tokens == 0:
+            return []
+        return self.active_tenants.observe(live_tenants, self.clock())
+
+    def prefill_cap(self, live_tenants: Iterable[str], prefilling: set[str]) -> PrefillCap | None:
+        """This step's cap, or None (no cap, or fewer than two active tenants). It favours
+        the active tenant with the least counter; on a tie, one with no prefill running
+        (just lifted to the counter of one that has), then the first live."""
+        active = self.observe(live_tenants)
+        if len(active) < 2:
+            return None
+        favoured = min(active, key=lambda t: (self.counter(t), t in prefilling))
+        return PrefillCap(favoured, self.prefill_tokens)

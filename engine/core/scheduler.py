@@ -18,12 +18,13 @@ num_write_violations, and the step goes on without that sequence.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from engine.core.admission import AdmissionPolicy
 from engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
-from engine.core.fair_share import FairShare, FairShareWeights, preemption_victim
+from engine.core.fair_share import FairShare, FairShareWeights, PrefillCap, preemption_victim
 from engine.core.protocol import (
     CompletionOutput,
     EngineRequest,
@@ -69,9 +70,13 @@ class Scheduler:
     weights_version goes into every request's prefix-cache namespace
     (make_namespace(weights_version, None, request.cache_salt)); scheduling_policy is
     "fcfs", "longest-prefix-first" or "fair-share" (see admission.py; fair_share_weights
-    price the service each tenant's counter is charged, under every policy). With
-    record_cache_hits, every first admission that reuses cached tokens is kept as a CacheHit for
-    take_cache_hits() (the engine drains them every step for the auditor).
+    price the service each tenant's counter is charged, under every policy). Under fair
+    share, while two or more tenants are active (a live request, or the last one ended less
+    than fair_share_active_seconds ago by `clock`), the prefill tokens of a step other than
+    the least-served active tenant's share a cap of fair_share_prefill_tokens (0: no cap;
+    engine/core/fair_share.py PrefillCap). With record_cache_hits, every first admission
+    that reuses cached tokens is kept as a CacheHit for take_cache_hits() (the engine drains
+    them every step for the auditor).
 
     With a `proposer`, decodes may carry a speculative draft: what is drafted and what a
     verified step keeps is decided in engine/core/spec_scheduling.py.
@@ -90,12 +95,18 @@ class Scheduler:
         record_cache_hits: bool = False,
         proposer: NgramProposer | None = None,
         fair_share_weights: FairShareWeights | None = None,
+        fair_share_prefill_tokens: int = 0,
+        fair_share_active_seconds: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_model_len >= 2
         self.kv_cache_manager = kv_cache_manager
         self.weights_version = weights_version  # part of every request's cache namespace
-        self.fair_share = FairShare(fair_share_weights)
+        self.fair_share = FairShare(
+            fair_share_weights, fair_share_prefill_tokens, fair_share_active_seconds, clock
+        )
         self.admission = AdmissionPolicy(kv_cache_manager, scheduling_policy, self.fair_share)
+        self.is_fair_share = scheduling_policy == "fair-share"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -196,34 +207,37 @@ class Scheduler:
         request or choice is unknown or already finished. A single choice can be aborted only
         once it has forked (it has output tokens); before that ChoiceNotForked is raised.
         """
-        return self.table.abort(request_id, choice_index, reason)
+        output = self.table.abort(request_id, choice_index, reason)
+        self._observe_tenants()
+        return output
 
     def fail_seqs(self, seq_ids: Iterable[int], message: str) -> list[RequestOutput]:
         """Engine fault: finish every request owning one of seq_ids with ERROR + message.
 
         Other requests are untouched. Unknown or finished ids are ignored.
         """
-        return self.table.fail_seqs(seq_ids, message)
+        outputs = self.table.fail_seqs(seq_ids, message)
+        self._observe_tenants()
+        return outputs
 
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: decodes, then running prefills, then admissions (fair
-        share: admissions of tenants less served than any running prefill's come first)."""
+        share: admissions of tenants served no more than any running prefill's come first,
+        and a prefill cap while several tenants are active)."""
         self._num_steps += 1
-        step = StepBuilder(self.kv_cache_manager, self.max_num_batched_tokens)
+        step = StepBuilder(self.kv_cache_manager, self.max_num_batched_tokens, self._prefill_cap())
         self._schedule_decodes(step)
-        least = self._least_prefilling_counter()
-        is_fair = self.admission.scheduling_policy == "fair-share"
-        if is_fair and least is not None and not step.num_preempted:
-            # Tenants less served than every tenant with a prefill running are admitted first.
-            self._admit_waiting(step, below=least)
+        if self.is_fair_share and not step.num_preempted:
+            self._admit_ahead_of_running_prefills(step)
         self._schedule_running_prefills(step)
         if not step.num_preempted:  # blocks just taken from a victim: do not re-admit it now
-            self._admit_waiting(step)
+            self._admit_waiting(step, self.table.waiting)
         self._fail_write_violations(step)  # after every allocation: freed blocks stay unused
         self.counters.num_prefill_tokens += step.num_prefill_tokens
         step.output.block_copies = self.kv_cache_manager.take_block_copies()
         step.output.finished_request_ids = self.take_finished_request_ids()
+        step.output.num_spare_tokens = step.num_spare_tokens()
         return step.output
 
     def update_from_output(
@@ -260,6 +274,7 @@ class Scheduler:
         for request_id, request_completions in completions.items():
             request = self.table.requests[request_id]
             outputs.append(self.table.request_output(request, request_completions))
+        self._observe_tenants()  # the requests that ended in this step end now
         return outputs
 
     def check_integrity(self) -> None:
@@ -293,7 +308,7 @@ class Scheduler:
 
     def _schedule_running_prefills(self, step: StepBuilder) -> None:
         running = self.table.running
-        if self.admission.scheduling_policy == "fair-share":
+        if self.is_fair_share:
             running = self.fair_share.order_running(running)
         for seq in list(running):
             if step.budget == 0:
@@ -302,32 +317,57 @@ class Scheduler:
             skip = seq.status is not SequenceStatus.RUNNING or seq.seq_id in step.scheduled_ids
             if skip or seq.is_decoding:
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens, step.budget)
-            if self._reserve_slots(step, seq, num_tokens):
+            num_tokens = min(seq.num_uncomputed_tokens, step.prefill_budget(seq.tenant))
+            if num_tokens > 0 and self._reserve_slots(step, seq, num_tokens):
                 self._add_prefill_chunk(step, seq, num_tokens)
 
-    def _least_prefilling_counter(self) -> float | None:
-        counters = [
-            self.fair_share.counter(seq.tenant) for seq in self.table.running if not seq.is_decoding
-        ]
-        return min(counters, default=None)
+    # -- fair share ------------------------------------------------------------------------
+    def _prefilling_tenants(self) -> set[str]:
+        return {seq.tenant for seq in self.table.running if not seq.is_decoding}
 
-    def _admit_waiting(self, step: StepBuilder, below: float | None = None) -> None:
-        """Admit in policy order until the budget, the seats or the pool runs out; with
-        `below` (fair share), only while the next tenant's counter is under it."""
-        for seq in self.admission.order(self.table.waiting, self._num_steps):
+    def _admit_ahead_of_running_prefills(self, step: StepBuilder) -> None:
+        """Tenants with no prefill running, served no more than every tenant with one, are
+        admitted before the running chunks: a tenant just lifted to the least counter ties
+        with it and goes first. A tenant's own waiting requests never jump its own chunks."""
+        prefilling = self._prefilling_tenants()
+        if not prefilling:
+            return
+        least = min(self.fair_share.counter(tenant) for tenant in prefilling)
+        waiting = [seq for seq in self.table.waiting if seq.tenant not in prefilling]
+        self._admit_waiting(step, waiting, up_to=least)
+
+    def _prefill_cap(self) -> PrefillCap | None:
+        if not self.is_fair_share:
+            return None
+        return self.fair_share.prefill_cap(self._live_tenants(), self._prefilling_tenants())
+
+    def _observe_tenants(self) -> None:
+        if self.is_fair_share:
+            self.fair_share.observe(self._live_tenants())
+
+    def _live_tenants(self) -> list[str]:
+        return [seq.tenant for seq in self.table.seqs.values()]  # oldest first
+
+    def _admit_waiting(
+        self, step: StepBuilder, waiting: Iterable[Sequence], up_to: float | None = None
+    ) -> None:
+        """Admit from `waiting` in policy order until the budget, the seats or the pool runs
+        out; with `up_to` (fair share), only while the next tenant's counter is at most it.
+        A tenant the prefill cap leaves no tokens is passed over."""
+        for seq in self.admission.order(waiting, self._num_steps):
             if step.budget == 0:
                 break
-            if below is not None and self.fair_share.counter(seq.tenant) >= below:
+            if up_to is not None and self.fair_share.counter(seq.tenant) > up_to:
                 break
             if self._can_never_fit(seq):
                 self._reject(seq)
                 continue
             if self.table.num_seats + seq.num_choices > self.max_num_seqs:
                 break
-            if self.admission.is_held(seq, self.table.running):
+            budget = step.prefill_budget(seq.tenant)
+            if budget == 0 or self.admission.is_held(seq, self.table.running):
                 continue
-            num_tokens = self.kv_cache_manager.admit(seq, step.budget)
+            num_tokens = self.kv_cache_manager.admit(seq, budget)
             if num_tokens is None:
                 break
             self.table.admit(seq)

@@ -6,11 +6,15 @@ sequence's num_computed_tokens and keeps what is left of the step's token budget
 
 Write audit: a chunk whose slot mapping would write into a shared or cached block is left out
 of the step and kept in `violations`, for the Scheduler to fail its request.
+
+Fair share: with a PrefillCap, a prefill chunk also stays within its tenant's limit there
+(engine/core/fair_share.py); decodes never do.
 """
 
 from __future__ import annotations
 
 from engine.core.batch import ScheduledSeq, SchedulerOutput
+from engine.core.fair_share import PrefillCap
 from engine.core.sequence import Sequence
 from engine.kv.kv_cache_manager import KVCacheManager, WriteViolation
 
@@ -22,14 +26,29 @@ class StepBuilder:
     only. The tallies (num_preempted, num_prefill_tokens) are this step's alone.
     """
 
-    def __init__(self, kv_cache_manager: KVCacheManager, budget: int) -> None:
+    def __init__(
+        self, kv_cache_manager: KVCacheManager, budget: int, prefill_cap: PrefillCap | None = None
+    ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.budget = budget  # tokens the step may still schedule
+        self.prefill_cap = prefill_cap  # fair share, two or more tenants active: else None
         self.output = SchedulerOutput()
         self.scheduled_ids: set[int] = set()  # scheduled, or left out by the write audit
         self.num_preempted = 0  # sequences preempted to make room this step
         self.num_prefill_tokens = 0  # tokens scheduled in prefill chunks
         self.violations: list[tuple[Sequence, WriteViolation]] = []
+
+    def prefill_budget(self, tenant: str) -> int:
+        """The most tokens a prefill chunk of `tenant` may take now."""
+        limit = self.prefill_cap.limit(tenant) if self.prefill_cap is not None else None
+        return self.budget if limit is None else min(self.budget, limit)
+
+    def num_spare_tokens(self) -> int:
+        """What other work (the cache audit) may still compute in this step: the budget left,
+        within the prefill cap (an audit recomputes a prompt like a prefill)."""
+        if self.prefill_cap is None:
+            return self.budget
+        return min(self.budget, self.prefill_cap.num_tokens_left)
 
     def add_chunk(self, seq: Sequence, num_tokens: int, draft: list[int] | None = None) -> None:
         """Schedule seq's next num_tokens positions, whose slots are already allocated: its
@@ -65,3 +84,5 @@ class StepBuilder:
         self.scheduled_ids.add(seq.seq_id)
         if is_prefill:
             self.num_prefill_tokens += num_tokens
+            if self.prefill_cap is not None:
+                self.prefill_cap.take(num_tokens)

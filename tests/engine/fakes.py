@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from engine.core.protocol import EngineRequest, FinishReason, RequestOutput
@@ -96,7 +97,9 @@ def make_scheduler(
     eos_token_ids: tuple[int, ...] = (),
     enable_prefix_cache: bool = False,
     scheduling_policy: str = "fcfs",
+    **options: Any,
 ) -> tuple[Scheduler, FakeRunner]:
+    """`options`: other Scheduler keyword arguments (fair_share_prefill_tokens, clock...)."""
     pool = BlockPool(num_blocks=num_blocks, block_size=BLOCK_SIZE)
     manager = KVCacheManager(pool, enable_prefix_cache=enable_prefix_cache)
     scheduler = Scheduler(
@@ -107,6 +110,7 @@ def make_scheduler(
         eos_token_ids,
         weights_version="w0",
         scheduling_policy=scheduling_policy,
+        **options,
     )
     return scheduler, FakeRunner(scheduler)
 

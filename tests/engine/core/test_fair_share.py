@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.fair_share import FairShare, FairShareWeights
+from engine.core.fair_share import ActiveTenants, FairShare, FairShareWeights
 from engine.core.protocol import EngineRequest
 from engine.core.scheduler import Scheduler
 from tests.engine.fakes import Collected, FakeRunner, collect, make_scheduler, params, run, step
@@ -105,6 +105,22 @@ def test_lift_and_forgetting_on_the_counters_alone() -> None:
     assert fair.counters == {"E": 0.0}
 
 
+STEP_SECONDS = 0.25  # exact in binary, so the active window ends on a step boundary
+
+
+class StepClock:
+    """Step k (from 1) runs from (k - 1) * STEP_SECONDS to k * STEP_SECONDS: the time is the
+    fake runner's step count, so schedule() reads a step's start and update_from_output its
+    end; plus idle_seconds, the time the engine spent without a step."""
+
+    def __init__(self) -> None:
+        self.runner: FakeRunner | None = None
+        self.idle_seconds = 0.0
+
+    def __call__(self) -> float:
+        return STEP_SECONDS * len(self.runner.steps) + self.idle_seconds
+
+
 NUM_BLOCKS = 8  # small enough that the workload preempts
 
 
@@ -118,16 +134,24 @@ def test_one_tenant_fair_share_steps_exactly_like_fcfs() -> None:
         }
 
     steps = {}
-    for policy in ("fcfs", "fair-share"):
+    for name, policy, cap in (
+        ("fcfs", "fcfs", 0),
+        ("fair-share", "fair-share", 0),
+        ("fair-share with a cap", "fair-share", 1),  # one active tenant: the cap never applies
+    ):
+        clock = StepClock()
         scheduler, runner = make_scheduler(
             num_blocks=NUM_BLOCKS,
             max_num_seqs=4,
             max_num_batched_tokens=10,
             enable_prefix_cache=True,
             scheduling_policy=policy,
+            fair_share_prefill_tokens=cap,
+            clock=clock,
         )
+        clock.runner = runner
         run(scheduler, runner, workload())
-        steps[policy] = [
+        steps[name] = [
             (
                 [(s.seq_id, s.token_ids, s.block_ids, s.start_pos) for s in out.seqs],
                 out.slot_mapping,
@@ -136,7 +160,7 @@ def test_one_tenant_fair_share_steps_exactly_like_fcfs() -> None:
             for out in runner.steps
         ]
         assert scheduler.counters.num_preemptions > 0  # the workload does preempt
-    assert steps["fcfs"] == steps["fair-share"]
+    assert steps["fcfs"] == steps["fair-share"] == steps["fair-share with a cap"]
 
 
 # -- priority ------------------------------------------------------------------------------
@@ -219,3 +243,154 @@ def test_fair_share_composes_with_the_prefix_cache_and_chunked_prefill(
     names = seq_requests(scheduler)
     assert [[names[s.seq_id] for s in out.seqs] for out in runner.steps[:3]] == first_steps
     assert results["a1"].num_cached_tokens == 16
+
+
+# -- the prefill cap and the tie at activation -----------------------------------------------
+def capped(fair_share_prefill_tokens: int) -> tuple[Scheduler, FakeRunner]:
+    """Fair share, 64 tokens a step, an active window of 1 s (4 steps)."""
+    clock = StepClock()
+    scheduler, runner = make_scheduler(
+        num_blocks=256,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        scheduling_policy="fair-share",
+        fair_share_prefill_tokens=fair_share_prefill_tokens,
+        fair_share_active_seconds=1.0,
+        clock=clock,
+    )
+    clock.runner = runner
+    return recording(scheduler), runner
+
+
+def prefill_chunks(
+    scheduler: Scheduler, runner: FakeRunner, prompts: dict[str, list[int]]
+) -> list[list[tuple[str, int]]]:
+    """Each step's prefill chunks, in step order: (request id, prompt tokens computed)."""
+    names = seq_requests(scheduler)
+    steps = []
+    for out in runner.steps:
+        chunks = []
+        for scheduled in out.seqs:
+            request_id = names[scheduled.seq_id]
+            end = min(scheduled.context_len, len(prompts[request_id]))
+            if end > scheduled.start_pos:  # a decode starts past the prompt
+                chunks.append((request_id, end - scheduled.start_pos))
+        steps.append(chunks)
+    return steps
+
+
+def a_visitor_during_a_flood() -> tuple[Scheduler, FakeRunner, list[list[tuple[str, int]]]]:
+    """A queues a 300-token and a 40-token prompt; before step 2, B sends 4 tokens (2 out).
+    Cap 16. B's request ends with step 3 (t = 0.75 s), so B stays active through step 7
+    (t = 1.5) and is not any more at step 8 (t = 1.75: 1 s after)."""
+    scheduler, runner = capped(16)
+    prompts = {
+        "a0": list(range(1000, 1300)),
+        "a1": list(range(2000, 2040)),
+        "b0": [60, 61, 62, 63],
+    }
+    arrivals = {
+        0: [request(name, prompts[name], "A", max_tokens=2) for name in ("a0", "a1")],
+        1: [request("b0", prompts["b0"], "B", max_tokens=2)],
+    }
+    run(scheduler, runner, arrivals)  # also: every request ends, no block leaked
+    return scheduler, runner, prefill_chunks(scheduler, runner, prompts)
+
+
+def test_a_tenant_arriving_during_a_long_prefill_is_admitted_next_step_with_its_prompt() -> None:
+    # Step 1: A alone, its full budget. Step 2: B (lifted to A's 64, a tie, and no prefill
+    # running) goes first with its whole prompt and its first token; A gets what is left of
+    # the cap: 16 - 4 = 12 tokens (without the cap: 64; with a strict tie rule B would come
+    # after A's 16).
+    scheduler, runner, steps = a_visitor_during_a_flood()
+    assert steps[:2] == [[("a0", 64)], [("b0", 4), ("a0", 12)]]
+    (b0,) = [s for s in runner.steps[1].seqs if seq_requests(scheduler)[s.seq_id] == "b0"]
+    assert b0.sample is not None and b0.sample.output_index == 0
+
+
+def test_while_another_tenant_is_active_a_steps_prefill_stays_under_the_cap() -> None:
+    # Step 3: B decodes its last token (decodes are never capped); steps 4-7: B has no
+    # request but ended less than 1 s ago and is the least served (B 72 against A's 92 and
+    # up): A's prefill, a0's chunk and a1's admission together, stays at 16 a step. Audits get
+    # no spare tokens past the cap either.
+    _, runner, steps = a_visitor_during_a_flood()
+    assert steps[2:7] == [[("a0", 16)]] * 5
+    assert [out.num_decodes for out in runner.steps[1:4]] == [0, 1, 0]
+    assert [out.num_spare_tokens for out in runner.steps[1:7]] == [0] * 6
+
+
+def test_after_the_active_window_the_flood_gets_the_full_budget_again() -> None:
+    # Step 8, 1 s after B's request ended: A is the only active tenant, no cap. a0 has 300 -
+    # 156 tokens left: 64, 64, then its last 16 and a1's whole prompt (8 tokens spare).
+    _, runner, steps = a_visitor_during_a_flood()
+    assert steps[7:10] == [[("a0", 64)], [("a0", 64)], [("a0", 16), ("a1", 40)]]
+    assert runner.steps[9].num_spare_tokens == 8
+
+
+def test_a_tie_at_activation_admits_the_new_tenant_before_the_running_chunk() -> None:
+    # No cap: the tie rule alone. After step 1 A has 64 and B is lifted to 64. B has no
+    # prefill running, so it is admitted ahead of a0's chunk; A's own a1, at the same counter,
+    # never jumps a0 (with a1 first, a0 would get 40).
+    scheduler, runner = capped(0)
+    prompts = {"a0": list(range(1000, 1300)), "a1": list(range(2000, 2020)), "b0": [60, 61]}
+    for name in ("a0", "a1"):
+        scheduler.add_request(request(name, prompts[name], "A", max_tokens=2))
+    step(scheduler, runner)
+    scheduler.add_request(request("b0", prompts["b0"], "B", max_tokens=2))
+    assert scheduler.fair_share.counter("B") == scheduler.fair_share.counter("A") == 64.0
+    run(scheduler, runner, {})
+    steps = prefill_chunks(scheduler, runner, prompts)
+    assert steps[:2] == [[("a0", 64)], [("b0", 2), ("a0", 62)]]
+
+
+def test_the_cap_never_throttles_the_least_served_of_two_floods() -> None:
+    # A and B both prefill 300-token prompts: each step is the less served tenant's full chunk
+    # and none of the other's (the cap is used up), so no step is short. Ties: the tenant
+    # with no prefill running (step 2), then the older live request (steps 4 and 6).
+    scheduler, runner = capped(16)
+    prompts = {"a0": list(range(1000, 1300)), "b0": list(range(2000, 2300))}
+    arrivals = {
+        0: [request("a0", prompts["a0"], "A", max_tokens=2)],
+        1: [request("b0", prompts["b0"], "B", max_tokens=2)],
+    }
+    run(scheduler, runner, arrivals)
+    steps = prefill_chunks(scheduler, runner, prompts)
+    a, b = [("a0", 64)], [("b0", 64)]
+    assert steps[:7] == [a, b, a, a, b, a, b]
+
+
+@pytest.mark.parametrize("how", ["finished", "aborted"])
+def test_a_request_ends_when_it_finishes_or_is_aborted_not_at_the_next_step(how) -> None:
+    # B's request ends, then the engine idles 10 s, then A floods: B is not active any more
+    # (counted from the next step, B would be, and the least served: A capped at step 2).
+    scheduler, runner = capped(16)
+    scheduler.add_request(request("b0", [60, 61, 62, 63], "B", max_tokens=2))
+    step(scheduler, runner)
+    if how == "aborted":
+        scheduler.abort_request("b0")
+    else:
+        step(scheduler, runner)
+    assert not scheduler.has_unfinished_requests()
+    scheduler.fair_share.clock.idle_seconds = 10.0
+    prompts = {"b0": [60, 61, 62, 63], "a0": list(range(1000, 1300))}
+    run(scheduler, runner, {0: [request("a0", prompts["a0"], "A", max_tokens=2)]})
+    steps = prefill_chunks(scheduler, runner, prompts)
+    assert [chunks for chunks in steps if chunks and chunks[0][0] == "a0"] == [
+        [("a0", 64)],
+        [("a0", 64)],
+        [("a0", 64)],
+        [("a0", 64)],
+        [("a0", 44)],
+    ]
+
+
+def test_active_tenants_stay_active_for_the_window_after_their_last_request() -> None:
+    active = ActiveTenants(window_seconds=1.0)
+    assert active.observe(["A", "B", "A"], 0.0) == ["A", "B"]
+    assert active.observe(["A"], 0.5) == ["A", "B"]  # B is found without a request: ends at 0.5
+    assert active.observe(["A"], 1.25) == ["A", "B"]
+    assert active.observe(["A"], 1.5) == ["A"]
+    assert active.observe([], 10.0) == ["A"]  # A ended at 10.0 (observed after every end)
+    assert active.observe(["C"], 10.75) == ["C", "A"]
+    assert active.observe(["C"], 11.0) == ["C"]
+    assert ActiveTenants(window_seconds=0.0).observe(["A"], 0.0) == ["A"]
