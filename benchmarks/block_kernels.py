@@ -5,7 +5,9 @@
 
 SmolLM2's own tensors (the embedded GGUF: Q4_1 projections, the Q8_0 embedding as the LM
 head), each computed with fp32 activations by:
-  block        engine/runtime/cpu/block_kernels.cpp on the blocks as stored (quantization native)
+  block        engine/runtime/cpu/block_kernels.cpp on the blocks in GGUF's row order
+  panels       the same blocks reordered into panels of 16 output columns (what quantization
+               native serves for Q4_0, Q4_1 and Q8_0)
   int4pack     torch's _weight_int4pack_mm_for_cpu (groupwise int4 with a scale and zero per
                32 weights: Q4_1 maps onto it exactly as w = (q - 8) * d + (m + 8 d)); Q4_1 only
   fbgemm_fp16  fbgemm's fp16-weight linear (quantization fp16)
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.core.config import EngineConfig
-from engine.runtime.cpu.block_linear import BlockEmbedding, BlockLinear, BlockWeight
+from engine.runtime.cpu.block_linear import BlockEmbedding, BlockLinear, BlockWeight, to_panels
 from engine.runtime.cpu.linear import PackedLinear
 from engine.runtime.cpu.native import load_library
 from engine.runtime.cpu.quant import Fp16Linear, can_quantize
@@ -60,6 +62,9 @@ def int4pack_candidate(weight: BlockWeight):
 def candidates(weight: BlockWeight, library) -> dict:
     dense = weight.dequantize()
     found = {"block": BlockLinear(weight, None, library)}
+    panels = to_panels(weight)
+    if panels is not weight:
+        found["panels"] = BlockLinear(panels, None, library)
     int4 = int4pack_candidate(weight)
     if int4 is not None:
         found["int4pack"] = int4
