@@ -41,15 +41,21 @@ inline vbyte load_bytes(const uint8_t* p) {
   return v;
 }
 
-// Bytes to floats through an int32 array: GCC 12 vectorizes this loop (vpmovzxbd/vpmovsxbd,
-// vcvtdq2ps) but lowers a direct __builtin_convertvector of a byte vector lane by lane.
+// Bytes to int32 lanes through an int32 array: GCC 12 vectorizes this loop (vpmovzxbd/vpmovsxbd)
+// but lowers a direct __builtin_convertvector of a byte vector lane by lane.
 template <typename Byte>
-inline vfloat widen(const Byte* bytes) {
+inline vint widen_int(const Byte* bytes) {
   int32_t wide[kLanes];
   for (int i = 0; i < kLanes; ++i) wide[i] = bytes[i];
   vint v;
   std::memcpy(&v, wide, sizeof(v));
-  return __builtin_convertvector(v, vfloat);
+  return v;
+}
+
+// Bytes to floats (vcvtdq2ps after the widening).
+template <typename Byte>
+inline vfloat widen(const Byte* bytes) {
+  return __builtin_convertvector(widen_int(bytes), vfloat);
 }
 
 inline vfloat to_float(vbyte v) {
@@ -273,15 +279,6 @@ inline vfloat halves(const uint8_t* p) {
 #endif
 }
 
-template <typename Byte>
-inline vint widen_int(const Byte* bytes) {
-  int32_t wide[kLanes];
-  for (int i = 0; i < kLanes; ++i) wide[i] = bytes[i];
-  vint v;
-  std::memcpy(&v, wide, sizeof(v));
-  return v;
-}
-
 // 4-bit panels: code row j holds, per column, the low nibble (weight j of the group) and the
 // high nibble (weight j + 16), as GGUF's byte j does.
 struct NibblePanel {
@@ -321,8 +318,7 @@ struct PanelQ8_0 {
   static vfloat mins(const uint8_t*) { return vfloat{}; }
   static Codes codes(const uint8_t* rows, int j) {
     const int8_t* p = reinterpret_cast<const int8_t*>(rows + 2 * kPanel * j);
-    return {__builtin_convertvector(widen_int(p), vfloat),
-            __builtin_convertvector(widen_int(p + kPanel), vfloat)};
+    return {widen(p), widen(p + kPanel)};
   }
 };
 
