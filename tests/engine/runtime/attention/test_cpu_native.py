@@ -1,4 +1,5 @@
-"""The native CPU decode kernel vs the naive paged reference, and how it is built and chosen.
+"""The native CPU decode kernel vs the naive paged reference (decodes, and prefill chunks, whose
+queries it computes as decode queries), and how it is built and chosen.
 
 The reference comparisons run once per kernel build level this CPU executes (the probe's
 available_isa_levels(): native, avx512, avx2 and baseline on an AVX-512 CPU), so the levels an
@@ -20,7 +21,11 @@ from engine.runtime.attention.select import get_attention_backend
 from engine.runtime.attention.torch_ref import TorchRefBackend
 from engine.runtime.cpu import capabilities, native
 from engine.runtime.cpu.capabilities import CpuCapabilities, available_isa_levels, probe
-from tests.engine.runtime.attention.paged_reference import make_paged_batch, reference_attention
+from tests.engine.runtime.attention.paged_reference import (
+    make_metadata,
+    make_paged_batch,
+    reference_attention,
+)
 
 CPU = torch.device("cpu")
 
@@ -63,6 +68,9 @@ DECODE_CASES = {
     "bs16-gqa8-d128": ([(40, 1)], 1, 16, 8, 1, 128),
     "bs16-gqa2-d128-one-token-context": ([(0, 1), (1, 1)], 2, 16, 4, 2, 128),
     "mixed-with-prefills": ([(9, 1), (40, 1), (5, 7), (0, 4)], 2, 16, 6, 2, 64),
+    # prefill chunks, first (cached 0) and continuing, as decode queries
+    "continuation-chunks": ([(300, 16), (40, 64), (0, 9), (15, 1)], 0, 16, 9, 3, 64),
+    "decodes-and-a-long-continuation": ([(33, 1), (700, 40)], 1, 32, 8, 2, 128),
 }
 
 
@@ -266,3 +274,31 @@ def test_auto_picks_the_native_backend_on_cpu(build_dir: Path) -> None:
 def test_cpu_backend_refuses_other_devices(build_dir: Path) -> None:
     with pytest.raises(ValueError, match="runs on the CPU, not 'cuda'"):
         get_attention_backend("cpu", torch.device("cuda"), build_dir)
+
+
+def test_a_prefill_chunk_runs_in_the_kernel_and_its_rows_do_not_depend_on_its_length(
+    backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Query i of a chunk is a decode query at position start + i: its row is the same, bit for
+    bit, whether the chunk stops after it or goes on, and equals a decode step's; no chunk the
+    kernel covers reaches torch's SDPA."""
+    start, new = 100, 24
+    batch = make_paged_batch([(start, new)], 0, 16, 9, 3, 64, seed=3)
+    table = torch.tensor(batch.block_ids[0])
+    scale = 64**-0.5
+    torch_prefills = []
+    monkeypatch.setattr(
+        TorchRefBackend, "_prefill", lambda self, query, *rest: torch_prefills.append(query)
+    )
+    whole = backend._prefill(batch.query, batch.k_cache, batch.v_cache, table, start + new, scale)
+    for length in (1, 7, new):
+        part = backend._prefill(
+            batch.query[:length], batch.k_cache, batch.v_cache, table, start + length, scale
+        )
+        assert torch.equal(part, whole[:length])
+    first = backend._prefill(batch.query[:5], batch.k_cache, batch.v_cache, table, 5, scale)
+    assert first.shape == (5, 9, 64) and torch_prefills == []
+    # the chunk's last row as a decode of that one token
+    meta = make_metadata([(start + new - 1, 1)], 1, batch.block_ids, [0], "cpu")
+    decode = backend.forward(batch.query[-1:], batch.k_cache, batch.v_cache, meta, scale)
+    assert torch.equal(decode, whole[-1:])
