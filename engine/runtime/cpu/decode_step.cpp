@@ -1,5 +1,6 @@
-// One decode step's layer stack in native code: for T sequences of one new token each, every
-// Llama layer (RMSNorm with the residual add, the fused q/k/v projection, rope with the KV
+// One step's layer stack in native code: for T tokens, each attending as a decode query at its
+// own position (block_tables [T, *] and seq_lens [T] per token, so decode rows and prefill
+// chunks alike), every Llama layer (RMSNorm with the residual add, the fused q/k/v projection, rope with the KV
 // store, paged attention, the output projection, RMSNorm, gate/up, SiLU-and-multiply, down)
 // and the final norm, with no interpreter between the ops. Each op is the library's own entry
 // point (kernels.cpp, block_kernels.cpp), the same the torch model calls one by one, in the

@@ -1,16 +1,19 @@
-"""A decode step's layer stack in one native call (engine/runtime/cpu/decode_step.cpp).
+"""A step's layer stack in one native call (engine/runtime/cpu/decode_step.cpp).
 
-On a decode-only step of a model whose projections are GGUF blocks (quantization native or
-q8_0), LlamaForCausalLM.forward hands the embedded tokens to NativeDecodeStep.run(), which
-runs every layer and the final norm in C++: the same kernels, in the same order, on the same
-buffers as the module-by-module forward, so the result is bit-identical to it (the tests
-compare both), without the interpreter's per-op cost between the 9 ops of each layer.
+On a step of a model whose projections are GGUF blocks (quantization native or q8_0),
+LlamaForCausalLM.forward hands the embedded tokens to NativeDecodeStep.run(), which runs every
+layer and the final norm in C++: the same kernels, in the same order, on the same buffers as the
+module-by-module forward, so the result is bit-identical to it (the tests compare both), without
+the interpreter's per-op cost between the 9 ops of each layer. Decode rows and prefill chunks
+alike: attention computes every token as a decode query at its own position over its
+sequence's block table (what the CPU attention backend does for prefill chunks too), so a
+token's row is per-token tables and lengths here, whatever step it is in.
 
 Checked once: the model's shape (fp32, no biases, no q/k norms, block projections, a head
-size the paged kernel covers). Checked once per step: a decode-only batch, fp32 contiguous
-caches, block tables inside the pool. Anything else returns None and the torch forward runs.
-Buffers are allocated per batch-size bucket (powers of two) and reused: no allocation per
-step beyond the step's own tables.
+size the paged kernel covers). Checked once per step: fp32 contiguous caches, block tables
+inside the pool. Anything else returns None and the torch forward runs. Buffers are allocated
+per batch-size bucket (powers of two) and reused: no allocation per step beyond the step's own
+tables.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class _Bucket:
 
 
 class NativeDecodeStep:
-    """The layer stack of decode-only steps for one block-quantized Llama model."""
+    """The layer stack of every step for one block-quantized Llama model."""
 
     def __init__(self, model: nn.Module, library: ctypes.CDLL) -> None:
         self._model = model
@@ -99,19 +102,16 @@ class NativeDecodeStep:
         """The final-normed rows [T, E] (a view of a reused buffer: read it before the next
         step), or None for a step this path does not take (nothing was touched then)."""
         num_tokens = hidden.shape[0]
-        if meta.num_decodes != meta.num_seqs or meta.num_seqs != num_tokens or not num_tokens:
-            return None
-        if hidden.dtype != torch.float32 or not hidden.is_contiguous():
+        if not num_tokens or hidden.dtype != torch.float32 or not hidden.is_contiguous():
             return None
         layer_table = self._layers(kv_caches)
         if layer_table is None:
             return None
         k_cache = kv_caches[0][0]
         num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
-        tables = meta.block_tables[:num_tokens].to(torch.int32).contiguous()
+        tables, seq_lens = _token_tables(meta, num_tokens)
         if int(tables.max()) >= num_blocks or meta.max_seq_len > tables.shape[1] * block_size:
             return None
-        seq_lens = meta.seq_lens[:num_tokens].to(torch.int32).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         rotary = self._model.rotary
         cos, sin = rotary.cos[positions].contiguous(), rotary.sin[positions].contiguous()
@@ -160,6 +160,21 @@ class NativeDecodeStep:
             addresses = torch.tensor([t.data_ptr() for t in tensors[:-1]], dtype=torch.int64)
             bucket = self._buckets[rows] = _Bucket(rows, tensors, addresses)
         return bucket
+
+
+def _token_tables(meta: AttentionMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token as a decode query: its sequence's block table [T, max_blocks] and the length
+    it sees [T] (its position + 1), int32 and contiguous, as the paged kernel reads them."""
+    num_seqs = meta.num_seqs
+    if meta.num_decodes == num_seqs == num_tokens:  # one token a sequence: the step's own
+        tables, seq_lens = meta.block_tables[:num_tokens], meta.seq_lens[:num_tokens]
+    else:
+        starts = meta.query_start_loc[: num_seqs + 1].long()
+        owner = torch.repeat_interleave(torch.arange(num_seqs), starts[1:] - starts[:-1])  # [T]
+        # token t of sequence s sits (ends[s] - 1 - t) places before the sequence's last
+        seq_lens = meta.seq_lens[owner] - (starts[1:][owner] - 1 - torch.arange(num_tokens))
+        tables = meta.block_tables[owner]
+    return tables.to(torch.int32).contiguous(), seq_lens.to(torch.int32).contiguous()
 
 
 def _block(layer: nn.Module, name: str) -> BlockLinear | None:

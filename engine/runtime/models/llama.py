@@ -323,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run every layer over the flattened batch, writing K/V into the caches: [T, E]."""
         hidden = self.model.embed_tokens(input_ids)  # [T, E], a fresh tensor the adds may reuse
-        if self.native_decode is not None:  # a decode-only step: every layer in one native call
+        if self.native_decode is not None:  # every layer in one native call
             out = self.native_decode.run(hidden, positions, meta, kv_caches)
             if out is not None:
                 return out
@@ -362,7 +362,7 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = ops
 
     def use_native_decode(self, step: NativeDecodeStep | None) -> None:
-        """Run decode-only steps through `step` (engine/runtime/cpu/decode_step.py: the same
+        """Run steps through `step` (engine/runtime/cpu/decode_step.py: the same
         kernels as the fused modules, with no Python between them); None: module by module."""
         self.native_decode = step
 

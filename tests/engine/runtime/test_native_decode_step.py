@@ -100,19 +100,43 @@ def _head_weight(model) -> torch.Tensor:
     return model.lm_head.block_weight.dequantize()
 
 
-def test_mixed_and_prefill_steps_take_the_torch_path(library, make_tiny_model, make_step) -> None:
+@pytest.mark.parametrize("two_threads", [False, True], ids=["1-thread", "2-threads"])
+def test_prefill_and_mixed_steps_are_bit_identical_to_the_torch_model(
+    library, make_tiny_model, make_step, two_threads
+) -> None:
+    """First chunks, continuation chunks and decodes in one step: every token is a decode
+    query at its own position, in the native stack as in the module path's attention."""
     model = block_model(library, make_tiny_model("llama", head_dim=64))
     step = NativeDecodeStep.for_model(model, library)
-    model.use_native_decode(step)
     backend = cpu_native.CpuNativeBackend(library)
-    kv = caches(model)
-    a, b = random_prompt(12, seed=1), random_prompt(9, seed=2)
-    run(model, backend, kv, make_step, [ScheduledSeq(0, a[:11], 0, [0, 1])])
-    mixed = [ScheduledSeq(0, a[11:12], 11, [0, 1]), ScheduledSeq(1, b, 0, [2, 3])]
-    run(model, backend, kv, make_step, mixed, 1)
-    assert step.steps_run == 0
-    run(model, backend, kv, make_step, [ScheduledSeq(0, [5], 12, [0, 1])], 1)
-    assert step.steps_run == 1
+    a, b, c = (random_prompt(n, seed=n) for n in (21, 9, 30))
+    steps = [
+        ([ScheduledSeq(0, a[:11], 0, [0, 1, 2])], 0),  # a first chunk
+        ([ScheduledSeq(0, a[11:21], 11, [0, 1, 2]), ScheduledSeq(1, b, 0, [3, 4])], 0),
+        (  # a decode, a continuation chunk crossing a block, a new prompt
+            [
+                ScheduledSeq(1, [7], 9, [3, 4]),
+                ScheduledSeq(0, [5, 6, 8], 21, [0, 1, 2]),
+                ScheduledSeq(2, c, 0, [5, 6, 7, 8]),
+            ],
+            1,
+        ),
+    ]
+    reference_kv, native_kv = caches(model), caches(model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2 if two_threads else 1)
+    try:
+        for seqs, num_decodes in steps:
+            model.use_native_decode(None)
+            expected = run(model, backend, reference_kv, make_step, seqs, num_decodes)
+            model.use_native_decode(step)
+            got = run(model, backend, native_kv, make_step, seqs, num_decodes)
+            assert torch.equal(got, expected)
+    finally:
+        torch.set_num_threads(threads)
+    assert step.steps_run == len(steps)
+    for (k_ref, v_ref), (k_got, v_got) in zip(reference_kv, native_kv, strict=True):
+        assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
 
 
 def test_models_it_does_not_compute_exactly_are_declined(library, make_tiny_model) -> None:
