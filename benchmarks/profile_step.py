@@ -15,7 +15,7 @@ count for the outer one only:
   attention     the backend's store_kv and forward (KV writes and paged attention; where
                 rope is fused into the KV store, CpuFusedOps.rope_store, that too)
   elementwise   RMSNorm, rope, SiLU-and-mul (fused or torch), embedding and rope-table lookups
-  native layers a decode-only step's whole layer stack in one native call (NativeDecodeStep.run,
+  native layers a step's whole layer stack in one native call (NativeDecodeStep.run,
                 quantization native / q8_0): projections, attention and elementwise together
   LM head       compute_logits (the [N, E] x [E, V] matmul)
   sampling      the sampler
@@ -82,7 +82,7 @@ HOOKS = (
     ("engine.runtime.cpu.fused", "CpuFusedOps.rope_store", "attention"),
     ("torch.nn", "Embedding.forward", "elementwise"),
     ("engine.runtime.models.llama", "LlamaForCausalLM.compute_logits", "LM head"),
-    # Newer trees: a decode-only step's whole layer stack in one native call (decode_step.cpp).
+    # Newer trees: a step's whole layer stack in one native call (decode_step.cpp).
     ("engine.runtime.cpu.decode_step", "NativeDecodeStep.run", "native layers"),
     ("engine.runtime.sampler", "Sampler.__call__", "sampling"),
     ("engine.core.scheduler", "Scheduler.schedule", "scheduling"),
