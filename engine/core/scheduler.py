@@ -226,10 +226,15 @@ class Scheduler:
         share: admissions of tenants served no more than any running prefill's come first,
         and a prefill cap while several tenants are active)."""
         self._num_steps += 1
-        step = StepBuilder(self.kv_cache_manager, self.max_num_batched_tokens, self._prefill_cap())
+        # Tenants with a prefill running, once per step (fair share only); decodes do not
+        # change it, and a preemption skips the pass that reads it again.
+        prefilling = self._prefilling_tenants() if self.is_fair_share else set()
+        step = StepBuilder(
+            self.kv_cache_manager, self.max_num_batched_tokens, self._prefill_cap(prefilling)
+        )
         self._schedule_decodes(step)
         if self.is_fair_share and not step.num_preempted:
-            self._admit_ahead_of_running_prefills(step)
+            self._admit_ahead_of_running_prefills(step, prefilling)
         self._schedule_running_prefills(step)
         if not step.num_preempted:  # blocks just taken from a victim: do not re-admit it now
             self._admit_waiting(step, self.table.waiting)
@@ -325,21 +330,21 @@ class Scheduler:
     def _prefilling_tenants(self) -> set[str]:
         return {seq.tenant for seq in self.table.running if not seq.is_decoding}
 
-    def _admit_ahead_of_running_prefills(self, step: StepBuilder) -> None:
-        """Tenants with no prefill running, served no more than every tenant with one, are
-        admitted before the running chunks: a tenant just lifted to the least counter ties
-        with it and goes first. A tenant's own waiting requests never jump its own chunks."""
-        prefilling = self._prefilling_tenants()
+    def _admit_ahead_of_running_prefills(self, step: StepBuilder, prefilling: set[str]) -> None:
+        """Tenants with no prefill running (not in `prefilling`), served no more than every
+        tenant with one, are admitted before the running chunks: a tenant just lifted to the
+        least counter ties with it and goes first. A tenant's own waiting requests never jump
+        its own chunks."""
         if not prefilling:
             return
         least = min(self.fair_share.counter(tenant) for tenant in prefilling)
         waiting = [seq for seq in self.table.waiting if seq.tenant not in prefilling]
         self._admit_waiting(step, waiting, up_to=least)
 
-    def _prefill_cap(self) -> PrefillCap | None:
+    def _prefill_cap(self, prefilling: set[str]) -> PrefillCap | None:
         if not self.is_fair_share:
             return None
-        return self.fair_share.prefill_cap(self._live_tenants(), self._prefilling_tenants())
+        return self.fair_share.prefill_cap(self._live_tenants(), prefilling)
 
     def _observe_tenants(self) -> None:
         if self.is_fair_share:

@@ -25,7 +25,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -272,6 +272,13 @@ struct Codes {
 inline vfloat halves(const uint8_t* p) {
 #if defined(__AVX512F__)
   return reinterpret_cast<vfloat>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)  // x86-64-v3 (AVX2): two 8-lane conversions
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  vfloat v;
+  std::memcpy(&v, &lo, sizeof(lo));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
+  return v;
 #else
   vfloat v;
   for (int i = 0; i < kPanel; ++i) v[i] = half(p + 2 * i);
