@@ -11,7 +11,9 @@ The prefill cap (PrefillCap): while two or more tenants are active (ActiveTenant
 request, or the last one ended less than a window ago), the least-served active tenant
 prefills under the step's budget and everyone else's prefill tokens in the step share a small
 cap. A step costs about linear time in its prefill tokens on a CPU, so short steps bound how
-long a tenant that sends a request waits for the step in progress.
+long a tenant that sends a request waits for the step in progress. And when the favoured
+tenant has a request waiting for its first chunk, the Scheduler gives it a step of its own
+(Scheduler._solo_tenant): the others wait that one step, never two in a row.
 
 With one tenant (no API keys) every order here is queue order and no cap applies: fair share
 is then fcfs.

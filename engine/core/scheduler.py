@@ -117,6 +117,7 @@ class Scheduler:
         self.record_cache_hits = record_cache_hits
         self._cache_hits: list[CacheHit] = []
         self.spec = SpecScheduling(proposer, kv_cache_manager, max_model_len)
+        self._was_solo = False  # the last step was one tenant's alone (fair share)
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -224,25 +225,41 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: decodes, then running prefills, then admissions (fair
         share: admissions of tenants served no more than any running prefill's come first,
-        and a prefill cap while several tenants are active)."""
+        and a prefill cap while several tenants are active; the favoured tenant's new request
+        may get a step of its own, see _solo_tenant)."""
         self._num_steps += 1
         # Tenants with a prefill running, once per step (fair share only); decodes do not
         # change it, and a preemption skips the pass that reads it again.
         prefilling = self._prefilling_tenants() if self.is_fair_share else set()
-        step = StepBuilder(
-            self.kv_cache_manager, self.max_num_batched_tokens, self._prefill_cap(prefilling)
-        )
-        self._schedule_decodes(step)
+        cap = self._prefill_cap(prefilling)
+        solo = self._solo_tenant(cap)
+        self._was_solo = solo is not None
+        step = StepBuilder(self.kv_cache_manager, self.max_num_batched_tokens, cap)
+        self._schedule_decodes(step, solo)
+        if solo is not None and not step.num_preempted:
+            num_decodes = len(step.output.seqs)
+            self._admit_waiting(step, [seq for seq in self.table.waiting if seq.tenant == solo])
+            if len(step.output.seqs) > num_decodes:  # its first chunk is in: nothing else
+                return self._finish_schedule(step, num_spare_tokens=0)
         if self.is_fair_share and not step.num_preempted:
             self._admit_ahead_of_running_prefills(step, prefilling)
         self._schedule_running_prefills(step)
         if not step.num_preempted:  # blocks just taken from a victim: do not re-admit it now
             self._admit_waiting(step, self.table.waiting)
+        return self._finish_schedule(step)
+
+    def _finish_schedule(
+        self, step: StepBuilder, num_spare_tokens: int | None = None
+    ) -> SchedulerOutput:
+        """The step's output, once everything is scheduled; num_spare_tokens (default: what
+        the budget and the cap leave) bounds the audit work the step may carry."""
         self._fail_write_violations(step)  # after every allocation: freed blocks stay unused
         self.counters.num_prefill_tokens += step.num_prefill_tokens
         step.output.block_copies = self.kv_cache_manager.take_block_copies()
         step.output.finished_request_ids = self.take_finished_request_ids()
-        step.output.num_spare_tokens = step.num_spare_tokens()
+        if num_spare_tokens is None:
+            num_spare_tokens = step.num_spare_tokens()
+        step.output.num_spare_tokens = num_spare_tokens
         return step.output
 
     def update_from_output(
@@ -289,14 +306,15 @@ class Scheduler:
         assert self.table.num_seats <= self.max_num_seqs
 
     # -- schedule phases -------------------------------------------------------------------
-    def _schedule_decodes(self, step: StepBuilder) -> None:
-        """One token per decoding sequence; those with a draft come after the plain decodes
-        (their 1 + k tokens are verified like a prefill chunk)."""
+    def _schedule_decodes(self, step: StepBuilder, only_tenant: str | None = None) -> None:
+        """One token per decoding sequence (only only_tenant's, when given); those with a
+        draft come after the plain decodes (their 1 + k tokens are verified like a prefill
+        chunk)."""
         drafted: list[tuple[Sequence, list[int]]] = []
         for seq in list(self.table.running):
             if step.budget == 0:
                 break
-            if not seq.is_decoding:
+            if not seq.is_decoding or only_tenant not in (None, seq.tenant):
                 continue
             draft = self.spec.draft(seq, step.budget - 1)
             if draft:
@@ -340,6 +358,22 @@ class Scheduler:
         least = min(self.fair_share.counter(tenant) for tenant in prefilling)
         waiting = [seq for seq in self.table.waiting if seq.tenant not in prefilling]
         self._admit_waiting(step, waiting, up_to=least)
+
+    def _solo_tenant(self, cap: PrefillCap | None) -> str | None:
+        """The tenant whose step this is, alone, or None: while the prefill cap applies, the
+        favoured tenant's request waiting for its first chunk gets a step without the other
+        tenants' decodes and chunks (they wait this one step: never two in a row), when it
+        has a seat. Its first token then costs its own prompt's step, not the others' rows."""
+        if cap is None or self._was_solo:
+            return None
+        favoured = cap.favoured
+        if all(seq.tenant == favoured for seq in self.table.running):
+            return None  # nobody else to wait
+        for seq in self.table.waiting:
+            if seq.tenant == favoured and not seq.was_admitted:
+                fits = self.table.num_seats + seq.num_choices <= self.max_num_seqs
+                return favoured if fits else None
+        return None
 
     def _prefill_cap(self, prefilling: set[str]) -> PrefillCap | None:
         if not self.is_fair_share:

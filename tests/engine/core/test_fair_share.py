@@ -297,34 +297,67 @@ def a_visitor_during_a_flood() -> tuple[Scheduler, FakeRunner, list[list[tuple[s
     return scheduler, runner, prefill_chunks(scheduler, runner, prompts)
 
 
-def test_a_tenant_arriving_during_a_long_prefill_is_admitted_next_step_with_its_prompt() -> None:
+def test_a_tenant_arriving_during_a_long_prefill_gets_the_next_step_to_itself() -> None:
     # Step 1: A alone, its full budget. Step 2: B (lifted to A's 64, a tie, and no prefill
-    # running) goes first with its whole prompt and its first token; A gets what is left of
-    # the cap: 16 - 4 = 12 tokens (without the cap: 64; with a strict tie rule B would come
-    # after A's 16).
+    # running) is favoured and its request waits for its first chunk: the step is B's whole
+    # prompt and its first token, alone (A's chunk waits one step; without that, A would get
+    # what is left of the cap, 16 - 4 = 12 tokens), and no spare tokens for audits.
     scheduler, runner, steps = a_visitor_during_a_flood()
-    assert steps[:2] == [[("a0", 64)], [("b0", 4), ("a0", 12)]]
-    (b0,) = [s for s in runner.steps[1].seqs if seq_requests(scheduler)[s.seq_id] == "b0"]
+    assert steps[:2] == [[("a0", 64)], [("b0", 4)]]
+    (b0,) = runner.steps[1].seqs
+    assert seq_requests(scheduler)[b0.seq_id] == "b0"
     assert b0.sample is not None and b0.sample.output_index == 0
+    assert runner.steps[1].num_spare_tokens == 0
 
 
 def test_while_another_tenant_is_active_a_steps_prefill_stays_under_the_cap() -> None:
-    # Step 3: B decodes its last token (decodes are never capped); steps 4-7: B has no
-    # request but ended less than 1 s ago and is the least served (B 72 against A's 92 and
-    # up): A's prefill, a0's chunk and a1's admission together, stays at 16 a step. Audits get
-    # no spare tokens past the cap either.
+    # Step 3: B decodes its last token (decodes are never capped); B has 64 + 4 + 2 = 70
+    # against A's 64, so A is favoured: its chunk is the rest of the budget, 63. Steps 4-7: B
+    # has no request but ended less than 1 s ago and is the least served (B 72 against A's
+    # 127 and up): A's prefill stays at 16 a step. Audits get no spare tokens past the cap.
     _, runner, steps = a_visitor_during_a_flood()
-    assert steps[2:7] == [[("a0", 16)]] * 5
+    assert steps[2:7] == [[("a0", 63)]] + [[("a0", 16)]] * 4
     assert [out.num_decodes for out in runner.steps[1:4]] == [0, 1, 0]
     assert [out.num_spare_tokens for out in runner.steps[1:7]] == [0] * 6
 
 
 def test_after_the_active_window_the_flood_gets_the_full_budget_again() -> None:
     # Step 8, 1 s after B's request ended: A is the only active tenant, no cap. a0 has 300 -
-    # 156 tokens left: 64, 64, then its last 16 and a1's whole prompt (8 tokens spare).
+    # 191 tokens left: 64, then its last 45 and 19 of a1's 40, then a0's first decode and
+    # a1's last 21 (42 spare).
     _, runner, steps = a_visitor_during_a_flood()
-    assert steps[7:10] == [[("a0", 64)], [("a0", 64)], [("a0", 16), ("a1", 40)]]
-    assert runner.steps[9].num_spare_tokens == 8
+    assert steps[7:10] == [[("a0", 64)], [("a0", 45), ("a1", 19)], [("a1", 21)]]
+    assert runner.steps[9].num_spare_tokens == 42
+
+
+def test_a_first_chunk_alone_defers_the_others_one_step_never_two_in_a_row() -> None:
+    # A decodes a0 and prefills a1. Before step 4, B and C each send a prompt, both lifted
+    # to A's counter; B and C have no prefill running, so the first live of them, B, is
+    # favoured: step 4 is b0's prompt alone (a0's decode and a1's chunk wait). Step 5 may not
+    # be anyone's alone: a0 decodes with b0, and C (now the least served, tied with A) has
+    # c0 admitted with its whole prompt, A's chunk the rest of the cap (16 - 5).
+    scheduler, runner = capped(16)
+    prompts = {
+        "a0": list(range(1000, 1010)),
+        "a1": list(range(2000, 2300)),
+        "b0": [60, 61, 62],
+        "c0": [70, 71, 72, 73, 74],
+    }
+    arrivals = {
+        0: [request("a0", prompts["a0"], "A", max_tokens=8)],
+        1: [request("a1", prompts["a1"], "A", max_tokens=2)],
+        3: [request(name, prompts[name], name[0].upper(), max_tokens=2) for name in ("b0", "c0")],
+    }
+    run(scheduler, runner, arrivals)  # also: every request ends, no block leaked
+    names = seq_requests(scheduler)
+    chunks = [[(names[s.seq_id], len(s.token_ids)) for s in out.seqs] for out in runner.steps]
+    assert chunks[2:6] == [
+        [("a0", 1), ("a1", 63)],
+        [("b0", 3)],
+        [("a0", 1), ("b0", 1), ("c0", 5), ("a1", 11)],
+        [("a0", 1), ("c0", 1), ("a1", 16)],
+    ]
+    assert [out.num_decodes for out in runner.steps[2:6]] == [1, 0, 2, 2]
 
 
 def test_a_tie_at_activation_admits_the_new_tenant_before_the_running_chunk() -> None:
