@@ -7,6 +7,11 @@ pool), one chunk of n queries ending at position seq_len: TorchRefBackend._prefi
 gathered into a dense copy, then SDPA, causal from position 0 and masked after) against
 CpuNativeBackend._prefill (each query a decode query at its own position, K/V read in place).
 Milliseconds per layer, median of interleaved rounds, and the largest difference between the two.
+
+Then decode rows (--decode-context, 1 and 4 queries at the end of a context) through the paged
+kernel alone, microseconds per layer: "hot", one layer's blocks called again and again (its K/V
+stay in cache), and "cold", 30 layers' worth of distinct blocks called in turn (as in a real
+step, each layer's K/V come from memory).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode-context", type=int, default=1000)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
@@ -68,6 +74,31 @@ def main() -> None:
                 times[backend].append((time.perf_counter() - started) / 5 * 1e3)
         sdpa, paged = (statistics.median(times[b]) for b in (reference, native))
         print(f"| {num_queries} | {seq_len} | {sdpa:.2f} | {paged:.2f} | {diff:.1e} |")
+    decode_rows(native, args.decode_context, args.rounds, generator)
+
+
+def decode_rows(native, seq_len: int, rounds: int, generator: torch.Generator) -> None:
+    """Per-layer time of 1 and 4 queries at the end of seq_len, hot and cold (see above)."""
+    num_blocks = 4096
+    shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=generator)
+    v_cache = torch.randn(shape, generator=generator)
+    blocks_per_layer = -(-seq_len // BLOCK_SIZE)
+    layers = torch.randperm(num_blocks, generator=generator)[: 30 * blocks_per_layer]
+    tables = list(layers.view(30, blocks_per_layer))
+    print("\n| decode queries | seq_len | hot us per layer | cold us per layer (30 layers) |")
+    print("|---|---|---|---|")
+    for num_queries in (1, 4):
+        query = torch.randn(num_queries, HEADS, HEAD_DIM, generator=generator)
+        times: dict = {"hot": [], "cold": []}
+        for _ in range(rounds):
+            for name, layer_tables in (("hot", tables[:1] * 30), ("cold", tables)):
+                started = time.perf_counter()
+                for table in layer_tables:
+                    native._prefill(query, k_cache, v_cache, table, seq_len, 0.125)
+                times[name].append((time.perf_counter() - started) / 30 * 1e6)
+        hot, cold = (statistics.median(times[name]) for name in ("hot", "cold"))
+        print(f"| {num_queries} | {seq_len} | {hot:.1f} | {cold:.1f} |")
 
 
 if __name__ == "__main__":

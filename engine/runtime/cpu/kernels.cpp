@@ -115,13 +115,29 @@ void softmax_rows(float* scores, int rows, int seq_len, int padded_len) {
   }
 }
 
+// Asks for KV head kv's rows of one block before they are read (attend() asks two blocks
+// ahead). Blocks lie anywhere in the pool and a head's rows are strided by the other heads'
+// (768 bytes apart for 3 heads of 64 floats), so each block is a short new stream the hardware
+// prefetcher barely starts on: without this, a long context's decode row, whose K/V come from
+// memory at every step, waits on latency rather than bandwidth.
+template <typename T>
+inline void prefetch_rows(const T* cache, int32_t block, int kv, const Shape& s, int head_dim) {
+  const int64_t slot_stride = static_cast<int64_t>(s.num_kv_heads) * head_dim;
+  const char* row = reinterpret_cast<const char*>(
+      cache + block * slot_stride * s.block_size + static_cast<int64_t>(kv) * head_dim);
+  const int64_t row_bytes = static_cast<int64_t>(head_dim) * sizeof(T);
+  for (int t = 0; t < s.block_size; ++t, row += slot_stride * sizeof(T))
+    for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(row + line, 0, 3);
+}
+
 // One task: one sequence (`query`/`out` are its [H, D] rows), KV heads [kv_begin, kv_end).
 // Each context slot holds the K (V) rows of all KV heads side by side, so a block is read front
 // to back, and each K/V row is converted once for the kGroup query heads that share it; with
 // D and G known at compile time the queries and accumulators stay in registers.
 template <typename T, int kVecs, int kGroup>  // kVecs = D / 16, kGroup = H / Hkv
 void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
-            int kv_begin, int kv_end, const Shape& s, float scale, Scratch& scratch, T* out) {
+            int kv_begin, int kv_end, const Shape& s, float scale, bool cold, Scratch& scratch,
+            T* out) {
   constexpr int kHeadDim = kVecs * kLanes;
   const int padded_len = (seq_len + kLanes - 1) / kLanes * kLanes;
   const int64_t slot_stride = static_cast<int64_t>(s.num_kv_heads) * kHeadDim;
@@ -130,6 +146,11 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
 
   for (int kv = kv_begin; kv < kv_end; ++kv) {
     const int64_t first_row = static_cast<int64_t>(kv) * kGroup * kHeadDim;
+    // The first two blocks of K, and of V (read after all of K).
+    for (int b = 0; cold && b < 2 && b * s.block_size < seq_len; ++b) {
+      prefetch_rows(k_cache, table[b], kv, s, kHeadDim);
+      prefetch_rows(v_cache, table[b], kv, s, kHeadDim);
+    }
     // Pass 1: scores [G, L] = scale * q . k.
     vfloat q[kGroup][kVecs];
     for (int g = 0; g < kGroup; ++g) {
@@ -140,6 +161,9 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
     for (int start = 0; start < seq_len; start += s.block_size) {
       const T* k = k_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
       const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
+      const int ahead = end + s.block_size;  // two blocks ahead
+      if (cold && ahead < seq_len)
+        prefetch_rows(k_cache, table[ahead / s.block_size], kv, s, kHeadDim);
       for (int t = start; t < end; ++t, k += slot_stride) {
         vfloat row[kVecs];
         for (int i = 0; i < kVecs; ++i) row[i] = load(k + i * kLanes);
@@ -156,6 +180,9 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
     for (int start = 0; start < seq_len; start += s.block_size) {
       const T* v = v_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
       const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
+      const int ahead = end + s.block_size;  // two blocks ahead
+      if (cold && ahead < seq_len)
+        prefetch_rows(v_cache, table[ahead / s.block_size], kv, s, kHeadDim);
       for (int t = start; t < end; ++t, v += slot_stride) {
         vfloat row[kVecs];
         for (int i = 0; i < kVecs; ++i) row[i] = load(v + i * kLanes);
@@ -191,9 +218,14 @@ void paged_decode(const T* query, const T* k_cache, const T* v_cache, const int3
       const int b = task / tasks_per_seq;
       const int kv_begin = (task % tasks_per_seq) * heads_per_task;
       const int64_t seq_offset = static_cast<int64_t>(b) * s.num_heads * s.head_dim;
-      attend<T, kVecs, kGroup>(query + seq_offset, k_cache, v_cache,
-                               block_tables + b * s.max_blocks, seq_lens[b], kv_begin,
-                               kv_begin + heads_per_task, s, scale, scratch, out + seq_offset);
+      const int32_t* table = block_tables + b * s.max_blocks;
+      // The rows of a prefill chunk after its first see the context the one before read:
+      // in cache, no prefetch needed.
+      const bool cold =
+          b == 0 || seq_lens[b] != seq_lens[b - 1] + 1 || table[0] != table[-s.max_blocks];
+      attend<T, kVecs, kGroup>(query + seq_offset, k_cache, v_cache, table, seq_lens[b], kv_begin,
+                               kv_begin + heads_per_task, s, scale, cold, scratch,
+                               out + seq_offset);
     }
   }
 }
