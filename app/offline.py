@@ -87,6 +87,7 @@ def run_estimate(args: argparse.Namespace, engine_config) -> int:
 
     hf_config = _read_hf_config(resolve_model_dir(engine_config))
     dtype = engine_config.dtype if engine_config.dtype != "auto" else "float32"
+    dtype = engine_config.kv_dtype_name(dtype)  # the KV pool's own
     per_token = kv_bytes_per_token(hf_config, dtype)
     max_len = resolve_max_model_len(hf_config, engine_config.max_model_len)
     block_size = engine_config.block_size

@@ -8,8 +8,11 @@ and the perplexity ratio (goal <= 1.02).
 Speed, engine offline (LLMEngine.generate, greedy, EOS ignored, prefix cache off): the median
 decode step at batch 1 and at batch 8, and the ms per output token it gives (step / batch).
 
-Usage: python benchmarks/quality.py [--modes none,fp16,int8 --threads 2 --output-len 32
-       --chunk-tokens 256 --out benchmarks/results/quality.json]
+A mode may name a KV cache dtype after a colon: native:float16 is quantization native over a
+float16 KV pool (kv_cache_dtype), against the exact mode's float32 one.
+
+Usage: python benchmarks/quality.py [--modes none,fp16,int8,native:float16 --threads 2
+       --output-len 32 --chunk-tokens 256 --out benchmarks/results/quality.json]
 """
 
 from __future__ import annotations
@@ -47,11 +50,13 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_engine(mode: str, threads: int, max_num_seqs: int) -> LLMEngine:
+    quantization, _, kv_cache_dtype = mode.partition(":")
     return LLMEngine(
         EngineConfig(
             dtype="float32",
             device="cpu",
-            quantization=mode,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype or "auto",
             num_threads=threads,
             max_num_seqs=max_num_seqs,
             num_kv_blocks=1024,

@@ -158,8 +158,12 @@ class Auditor:
         self.sample_rate = config.audit_sample_rate
         self.max_tokens_per_step = config.audit_max_tokens_per_step
         self.max_pending = config.audit_max_pending
-        self.tolerance = audit_tolerance(config, runner.dtype)
-        epsilon = torch.finfo(runner.dtype).eps
+        # The coarser of the model's and the KV cache's dtypes sets the bar (fp16 K/V are
+        # rounded where they are stored, alike in the cached and the recomputed blocks).
+        dtypes = (runner.dtype, getattr(runner, "kv_dtype", runner.dtype))
+        dtype = max(dtypes, key=lambda d: torch.finfo(d).eps)
+        self.tolerance = audit_tolerance(config, dtype)
+        epsilon = torch.finfo(dtype).eps
         self.clean_tolerance = min(CLEAN_ULPS * epsilon, self.tolerance / 10)
         self.runner = runner
         self.kv = kv_cache_manager

@@ -27,6 +27,7 @@ MAX_SCHEMA_BYTES_CEILING = 1024 * 1024
 # config key -> the values it may take
 CHOICES: dict[str, tuple[object, ...]] = {
     "dtype": DTYPES,
+    "kv_cache_dtype": DTYPES,
     "device": DEVICES,
     "attention_backend": ATTENTION_BACKENDS,
     "scheduling_policy": SCHEDULING_POLICIES,
@@ -49,6 +50,11 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: fp32 on CPU, bf16 on CUDA)
     device: str = "auto"  # auto | cpu | cuda
     quantization: str = "none"  # none (exact) | native | q8_0 | fp16 | int8 (CPU, float32)
+    # The KV pool's dtype: auto | float32 | bfloat16 | float16. Under a float32 model on the
+    # CPU, float16 or bfloat16 halve the bytes a token takes and a decode reads (K/V rounded
+    # when stored, attention math in fp32). auto: float16 under quantization native or q8_0
+    # (block weights, the served approximation), else the model's dtype (exact).
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size in blocks; wins over the next two
     kv_cache_bytes: int | None = None  # pool size in bytes (CPU default: 1 GiB)
@@ -192,6 +198,13 @@ class EngineConfig:
         for ok, name, rule in checks:
             if not ok:
                 raise ParamError(name, f"{name} {rule}, got {getattr(self, name)!r}")
+
+    def kv_dtype_name(self, model_dtype: str) -> str:
+        """The KV pool's torch dtype name for a model in model_dtype (kv_cache_dtype resolved:
+        auto is float16 under block weights, the model's own dtype otherwise)."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        return "float16" if self.quantization in ("native", "q8_0") else model_dtype
 
     def audit_tolerance(self, dtype: str) -> float:
         """The corruption threshold of the audit for a torch dtype name ("float32", ...)."""

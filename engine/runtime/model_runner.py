@@ -16,6 +16,7 @@ from engine.core.batch import (
     SchedulerOutput,
 )
 from engine.core.config import EngineConfig
+from engine.core.errors import ParamError
 from engine.core.intmath import cdiv
 from engine.core.protocol import ModelInfo
 from engine.core.sampling_params import SamplingParams
@@ -170,7 +171,8 @@ class ModelRunner:
         self._capture_seq_ids: set[int] = set()  # the auditor's (the warm-up samples too)
         self._prompt_logits: dict[int, torch.Tensor] = {}
         self.block_size = config.block_size
-        self.bytes_per_block = self.block_size * kv_bytes_per_token(self.hf_config, self.dtype)
+        self.kv_dtype = self._resolve_kv_dtype()
+        self.bytes_per_block = self.block_size * kv_bytes_per_token(self.hf_config, self.kv_dtype)
         self.graph_runner: CudaGraphRunner | None = None  # the sizing warm-up runs eagerly
         self.num_kv_blocks = self._size_kv_pool()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
@@ -380,13 +382,28 @@ class ModelRunner:
         self.execute(SchedulerOutput(seqs=seqs, slot_mapping=slots))
         del self.kv_caches
 
+    def _resolve_kv_dtype(self) -> torch.dtype:
+        """The KV pool's dtype (EngineConfig.kv_dtype_name): one other than the model's only
+        where the attention backend stores and reads it (the CPU ones; Triton keeps the
+        model's)."""
+        name = self.config.kv_dtype_name(str(self.dtype).removeprefix("torch."))
+        kv_dtype = getattr(torch, name)
+        if kv_dtype != self.dtype and self.attn_backend.name not in ("cpu", "torch"):
+            raise ParamError(
+                "kv_cache_dtype",
+                f"kv_cache_dtype {name} differs from the model's dtype "
+                f"{str(self.dtype).removeprefix('torch.')}, which the "
+                f"{self.attn_backend.name} attention backend does not support; use auto",
+            )
+        return kv_dtype
+
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         spec = LlamaSpec.from_hf_config(self.hf_config)
         shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         return [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             )
             for _ in range(spec.num_layers)
         ]
@@ -405,7 +422,7 @@ class ModelRunner:
             self.block_size,
             num_tokens,
             self.num_kv_blocks * self.bytes_per_block / _GIB,
-            str(self.dtype).removeprefix("torch."),
+            str(self.kv_dtype).removeprefix("torch."),
             self.device,
             full_context_seqs,
             self.max_model_len,

@@ -31,7 +31,7 @@ import torch
 from engine.core.intmath import cdiv
 from engine.runtime.attention.base import AttentionMetadata
 from engine.runtime.attention.torch_ref import TorchRefBackend
-from engine.runtime.cpu.native import DTYPE_CODES, load_library
+from engine.runtime.cpu.native import DTYPE_CODES, cache_dtype_code, load_library
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,7 @@ class CpuNativeBackend(TorchRefBackend):
         out = torch.empty_like(query)
         status = self._decode_fn(
             DTYPE_CODES[query.dtype],
+            cache_dtype_code(query.dtype, k_cache.dtype),
             query.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -123,10 +124,10 @@ class CpuNativeBackend(TorchRefBackend):
         query = query.contiguous()
         out = torch.empty_like(query)
         status = self._decode_fn(
-            DTYPE_CODES[query.dtype], query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), num_queries, num_heads,
-            k_cache.shape[2], head_dim, k_cache.shape[1], num_blocks, scale,
-            torch.get_num_threads(),
+            DTYPE_CODES[query.dtype], cache_dtype_code(query.dtype, k_cache.dtype),
+            query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            seq_lens.data_ptr(), out.data_ptr(), num_queries, num_heads, k_cache.shape[2],
+            head_dim, k_cache.shape[1], num_blocks, scale, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"native paged decode failed with status {status}")
@@ -158,9 +159,9 @@ class CpuNativeBackend(TorchRefBackend):
         _, num_heads, head_dim = query.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         return (
-            query.dtype in DTYPE_CODES
+            cache_dtype_code(query.dtype, k_cache.dtype) is not None
             and query.device.type == "cpu"
-            and k_cache.dtype == v_cache.dtype == query.dtype
+            and k_cache.dtype == v_cache.dtype
             and k_cache.shape == v_cache.shape
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()

@@ -87,8 +87,8 @@ class TorchRefBackend:
         max_len = max(meta.seq_lens_host[:num_seqs])
         num_blocks = cdiv(max_len, block_size)
         tables = meta.block_tables[:num_seqs, :num_blocks].long()  # [B, nb]
-        keys = _gather(k_cache, tables, max_len)  # [B, Hkv, L, D]
-        values = _gather(v_cache, tables, max_len)
+        keys = _gather(k_cache, tables, max_len).to(query.dtype)  # [B, Hkv, L, D]
+        values = _gather(v_cache, tables, max_len).to(query.dtype)
         # Padding slots past seq_len (and blocks past a table's end) are masked out.
         positions = torch.arange(max_len, device=query.device)
         mask = positions[None, :] < meta.seq_lens[:num_seqs, None]  # [B, L]
@@ -112,8 +112,8 @@ class TorchRefBackend:
         block_size = k_cache.shape[1]
         num_blocks = cdiv(seq_len, block_size)
         table = block_table[None, :num_blocks].long()  # [1, nb]
-        keys = _gather(k_cache, table, seq_len)  # [1, Hkv, S, D]
-        values = _gather(v_cache, table, seq_len)
+        keys = _gather(k_cache, table, seq_len).to(query.dtype)  # [1, Hkv, S, D]
+        values = _gather(v_cache, table, seq_len).to(query.dtype)
         q = query.transpose(0, 1)[None]  # [1, H, n, D]
         start = seq_len - num_queries
         if start == 0:

@@ -66,12 +66,6 @@ inline vfloat to_float(vbyte v) {
 
 inline vfloat to_float_signed(const uint8_t* p) { return widen(reinterpret_cast<const int8_t*>(p)); }
 
-// An fp16 scale (F16C's vcvtph2ps from x86-64-v3 on, libgcc's conversion below it).
-inline float half(const uint8_t* p) {
-  _Float16 h;
-  std::memcpy(&h, p, sizeof(h));
-  return static_cast<float>(h);
-}
 
 // One 32-weight group as two vectors: weights 0-15 and 16-31 of the group.
 struct Group {
@@ -268,23 +262,6 @@ struct Codes {
   vfloat lo, hi;
 };
 
-// kPanel fp16 values (one group's scales or minimums of the panel's columns) as floats.
-inline vfloat halves(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<vfloat>(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
-#elif defined(__F16C__)  // x86-64-v3 (AVX2): two 8-lane conversions
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-  vfloat v;
-  std::memcpy(&v, &lo, sizeof(lo));
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(lo), &hi, sizeof(hi));
-  return v;
-#else
-  vfloat v;
-  for (int i = 0; i < kPanel; ++i) v[i] = half(p + 2 * i);
-  return v;
-#endif
-}
 
 // 4-bit panels: code row j holds, per column, the low nibble (weight j of the group) and the
 // high nibble (weight j + 16), as GGUF's byte j does.

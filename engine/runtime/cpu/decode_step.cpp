@@ -7,7 +7,8 @@
 // same order on the same buffers: so the step computes exactly what the module-by-module
 // forward computes (engine/runtime/models/llama.py), which stays the reference.
 //
-// fp32 activations and KV caches, projections held as GGUF blocks, no biases, no q/k norms:
+// fp32 activations, KV caches in fp32, fp16 or bf16 (dims' kv_dtype, kernels.cpp's cache code),
+// projections held as GGUF blocks, no biases, no q/k norms:
 // engine/runtime/cpu/decode_step.py checks those before it calls here, and keeps the buffers
 // (preallocated per batch-size bucket) and the per-layer pointer table.
 
@@ -20,14 +21,15 @@ int kvshare_rms_norm(int dtype, const void* x, const void* weight, void* out, in
                      int dim, float eps, int num_threads);
 int kvshare_add_rms_norm(int dtype, void* x, const void* delta, const void* weight, void* out,
                          int64_t rows, int dim, float eps, int num_threads);
-int kvshare_rope_store(int dtype, const void* qkv, int64_t row_stride, const void* cos,
-                       const void* sin, const int64_t* slots, void* q_out, void* k_cache,
-                       void* v_cache, int64_t tokens, int heads, int kv_heads, int head_dim,
-                       int64_t num_slots, int num_threads);
-int kvshare_paged_decode(int dtype, const void* query, const void* k_cache, const void* v_cache,
-                         const int32_t* block_tables, const int32_t* seq_lens, void* out,
-                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, int max_blocks, float scale, int num_threads);
+int kvshare_rope_store(int dtype, int cache_dtype, const void* qkv, int64_t row_stride,
+                       const void* cos, const void* sin, const int64_t* slots, void* q_out,
+                       void* k_cache, void* v_cache, int64_t tokens, int heads, int kv_heads,
+                       int head_dim, int64_t num_slots, int num_threads);
+int kvshare_paged_decode(int dtype, int cache_dtype, const void* query, const void* k_cache,
+                         const void* v_cache, const int32_t* block_tables,
+                         const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
+                         int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                         float scale, int num_threads);
 int kvshare_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int inter,
                      int num_threads);
 }
@@ -39,7 +41,7 @@ constexpr int kFloat32 = 0;  // kernels.cpp's dtype code
 // The model's shape and the step's, as decode_step.py packs them (int64 each, in this order).
 struct Dims {
   int64_t tokens, hidden, inter, heads, kv_heads, head_dim, layers, block_size, max_blocks,
-      num_slots;
+      num_slots, kv_dtype;
 };
 
 // One layer's tensors, as decode_step.py packs them: 8 addresses, then 4 GGML format codes.
@@ -50,8 +52,8 @@ struct Layer {
   const uint8_t* o;
   const uint8_t* gate_up;
   const uint8_t* down;
-  float* k_cache;
-  float* v_cache;
+  void* k_cache;  // of the cache's type (Dims::kv_dtype)
+  void* v_cache;
 };
 constexpr int kLayerFields = 8;
 constexpr int kLayerFormats = 4;  // qkv, o, gate_up, down
@@ -66,7 +68,7 @@ Layer layer_at(const int64_t* table, int i) {
   return {reinterpret_cast<const float*>(p[0]),   reinterpret_cast<const float*>(p[1]),
           reinterpret_cast<const uint8_t*>(p[2]), reinterpret_cast<const uint8_t*>(p[3]),
           reinterpret_cast<const uint8_t*>(p[4]), reinterpret_cast<const uint8_t*>(p[5]),
-          reinterpret_cast<float*>(p[6]),         reinterpret_cast<float*>(p[7])};
+          reinterpret_cast<void*>(p[6]),          reinterpret_cast<void*>(p[7])};
 }
 
 // Attention: normed -> delta (the output projection's rows), K/V of the new tokens stored.
@@ -78,12 +80,14 @@ int attention(const Dims& d, const Layer& w, const int32_t* formats, const Buffe
   const int64_t q_width = d.heads * d.head_dim;
   int status = kvshare_block_linear(formats[0], b.normed, w.qkv, b.qkv, T, E, qkv_width, threads);
   if (status) return status;
-  status = kvshare_rope_store(kFloat32, b.qkv, qkv_width, cos, sin, slots, b.q, w.k_cache,
-                              w.v_cache, T, d.heads, d.kv_heads, d.head_dim, d.num_slots, threads);
+  const int kv_dtype = static_cast<int>(d.kv_dtype);
+  status = kvshare_rope_store(kFloat32, kv_dtype, b.qkv, qkv_width, cos, sin, slots, b.q,
+                              w.k_cache, w.v_cache, T, d.heads, d.kv_heads, d.head_dim,
+                              d.num_slots, threads);
   if (status) return 10 + status;
-  status = kvshare_paged_decode(kFloat32, b.q, w.k_cache, w.v_cache, block_tables, seq_lens,
-                                b.attn, T, d.heads, d.kv_heads, d.head_dim, d.block_size,
-                                d.max_blocks, scale, threads);
+  status = kvshare_paged_decode(kFloat32, kv_dtype, b.q, w.k_cache, w.v_cache, block_tables,
+                                seq_lens, b.attn, T, d.heads, d.kv_heads, d.head_dim,
+                                d.block_size, d.max_blocks, scale, threads);
   if (status) return 20 + status;
   return kvshare_block_linear(formats[1], b.attn, w.o, b.delta, T, q_width, E, threads);
 }
@@ -112,8 +116,8 @@ int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int3
                           const float* sin, const int64_t* slots, const int32_t* block_tables,
                           const int32_t* seq_lens, const float* final_norm, float eps,
                           float scale, int threads) {
-  const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4],
-               dims[5], dims[6], dims[7], dims[8], dims[9]};
+  const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5],
+               dims[6], dims[7], dims[8], dims[9], dims[10]};
   const Buffers b{reinterpret_cast<float*>(buffers[0]), reinterpret_cast<float*>(buffers[1]),
                   reinterpret_cast<float*>(buffers[2]), reinterpret_cast<float*>(buffers[3]),
                   reinterpret_cast<float*>(buffers[4]), reinterpret_cast<float*>(buffers[5]),

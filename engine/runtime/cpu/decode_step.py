@@ -10,10 +10,10 @@ sequence's block table (what the CPU attention backend does for prefill chunks t
 token's row is per-token tables and lengths here, whatever step it is in.
 
 Checked once: the model's shape (fp32, no biases, no q/k norms, block projections, a head
-size the paged kernel covers). Checked once per step: fp32 contiguous caches, block tables
-inside the pool. Anything else returns None and the torch forward runs. Buffers are allocated
-per batch-size bucket (powers of two) and reused: no allocation per step beyond the step's own
-tables.
+size the paged kernel covers). Checked once per step: contiguous fp32, fp16 or bf16 caches
+(kv_cache_dtype), block tables inside the pool. Anything else returns None and the torch
+forward runs. Buffers are allocated per batch-size bucket (powers of two) and reused: no
+allocation per step beyond the step's own tables.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.runtime.attention.base import AttentionMetadata
 from engine.runtime.cpu.block_linear import BlockLinear
+from engine.runtime.cpu.native import CACHE_DTYPE_CODES, cache_dtype_code
 
 _LANES = 16  # the kernels' vector width in floats
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -121,7 +122,7 @@ class NativeDecodeStep:
         dims = torch.tensor(
             [num_tokens, spec.hidden_size, spec.intermediate_size, spec.num_heads,
              spec.num_kv_heads, spec.head_dim, spec.num_layers, block_size, tables.shape[1],
-             num_blocks * block_size],
+             num_blocks * block_size, CACHE_DTYPE_CODES[k_cache.dtype]],
             dtype=torch.int64,
         )  # fmt: skip
         status = self._run(
@@ -142,7 +143,7 @@ class NativeDecodeStep:
         if self._layer_table is not None and key == self._caches_key:
             return self._layer_table
         layers = self._model.model.layers
-        if len(kv_caches) != len(layers) or not all(_fp32_cache(k, v) for k, v in kv_caches):
+        if len(kv_caches) != len(layers) or not all(_cache_covered(k, v) for k, v in kv_caches):
             return None
         rows = []
         for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
@@ -182,9 +183,11 @@ def _block(layer: nn.Module, name: str) -> BlockLinear | None:
     return module if isinstance(module, BlockLinear) and module.bias is None else None
 
 
-def _fp32_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def _cache_covered(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """A KV cache the kernels read under fp32 activations (fp32, fp16 or bf16)."""
     return (
-        k_cache.dtype == v_cache.dtype == torch.float32
+        k_cache.dtype == v_cache.dtype
+        and cache_dtype_code(torch.float32, k_cache.dtype) is not None
         and k_cache.shape == v_cache.shape
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()

@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from engine.runtime.cpu.native import DTYPE_CODES
+from engine.runtime.cpu.native import DTYPE_CODES, cache_dtype_code
 
 _LANES = 16  # the kernels' vector width in floats: row lengths must be multiples of it
 # The most rows gemv() takes: one row reads 113 MB of SmolLM2's LM head in 3.7-4.4 ms here
@@ -109,7 +109,8 @@ class CpuFusedOps:
             return None
         if half % _LANES or not all(_covers(t, 4) for t in (k_cache, v_cache)):
             return None
-        if k_cache.shape != v_cache.shape or not k_cache.dtype == v_cache.dtype == qkv.dtype:
+        cache_code = cache_dtype_code(qkv.dtype, k_cache.dtype)
+        if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or cache_code is None:
             return None
         if not all(_covers(t, 3) and t.shape == (num_tokens, 1, half) for t in (cos, sin)):
             return None
@@ -121,7 +122,8 @@ class CpuFusedOps:
             return None
         q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype)
         status = self._library.kvshare_rope_store(
-            DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+            DTYPE_CODES[qkv.dtype], cache_code, qkv.data_ptr(), qkv.stride(0), cos.data_ptr(),
+            sin.data_ptr(),
             slot_mapping.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             num_tokens, num_heads, num_kv_heads, head_dim,
             k_cache.shape[0] * k_cache.shape[1], torch.get_num_threads(),

@@ -23,7 +23,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -32,6 +37,9 @@ namespace {
 typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
 typedef uint16_t vbf16 __attribute__((vector_size(kLanes * 2)));
 using bf16 = uint16_t;
+// fp16 is a KV cache type only (EngineConfig.kv_cache_dtype), converted by vectors.h's
+// halves() / store_halves().
+using f16 = _Float16;
 
 inline vfloat load(const bf16* p) {
   vbf16 raw;
@@ -40,7 +48,11 @@ inline vfloat load(const bf16* p) {
   return reinterpret_cast<vfloat>(__builtin_convertvector(raw, vuint) << 16);
 }
 
+inline vfloat load(const f16* p) { return halves(reinterpret_cast<const uint8_t*>(p)); }
+
 inline void store(vfloat v, float* p) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void store(vfloat v, f16* p) { store_halves(v, reinterpret_cast<uint8_t*>(p)); }
 
 inline void store(vfloat v, bf16* p) {
   // Round to nearest even, as torch does (NaN does not occur in attention outputs).
@@ -134,8 +146,9 @@ inline void prefetch_rows(const T* cache, int32_t block, int kv, const Shape& s,
 // Each context slot holds the K (V) rows of all KV heads side by side, so a block is read front
 // to back, and each K/V row is converted once for the kGroup query heads that share it; with
 // D and G known at compile time the queries and accumulators stay in registers.
-template <typename T, int kVecs, int kGroup>  // kVecs = D / 16, kGroup = H / Hkv
-void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* table, int seq_len,
+// T: the query's and output's type; C: the KV cache's.
+template <typename T, typename C, int kVecs, int kGroup>  // kVecs = D / 16, kGroup = H / Hkv
+void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* table, int seq_len,
             int kv_begin, int kv_end, const Shape& s, float scale, bool cold, Scratch& scratch,
             T* out) {
   constexpr int kHeadDim = kVecs * kLanes;
@@ -159,7 +172,7 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
       }
     }
     for (int start = 0; start < seq_len; start += s.block_size) {
-      const T* k = k_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
+      const C* k = k_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
       const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
       const int ahead = end + s.block_size;  // two blocks ahead
       if (cold && ahead < seq_len)
@@ -178,7 +191,7 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
     // Pass 2: out [G, D] = sum_t p[g, t] * v[t].
     vfloat acc[kGroup][kVecs] = {};
     for (int start = 0; start < seq_len; start += s.block_size) {
-      const T* v = v_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
+      const C* v = v_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
       const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
       const int ahead = end + s.block_size;  // two blocks ahead
       if (cold && ahead < seq_len)
@@ -198,8 +211,8 @@ void attend(const T* query, const T* k_cache, const T* v_cache, const int32_t* t
   }
 }
 
-template <typename T, int kVecs, int kGroup>
-void paged_decode(const T* query, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+template <typename T, typename C, int kVecs, int kGroup>
+void paged_decode(const T* query, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                   const int32_t* seq_lens, T* out, const Shape& s, float scale, int num_threads) {
   int max_len = 0;
   for (int b = 0; b < s.num_seqs; ++b) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
@@ -223,7 +236,7 @@ void paged_decode(const T* query, const T* k_cache, const T* v_cache, const int3
       // in cache, no prefetch needed.
       const bool cold =
           b == 0 || seq_lens[b] != seq_lens[b - 1] + 1 || table[0] != table[-s.max_blocks];
-      attend<T, kVecs, kGroup>(query + seq_offset, k_cache, v_cache, table, seq_lens[b], kv_begin,
+      attend<T, C, kVecs, kGroup>(query + seq_offset, k_cache, v_cache, table, seq_lens[b], kv_begin,
                                kv_begin + heads_per_task, s, scale, cold, scratch,
                                out + seq_offset);
     }
@@ -231,13 +244,13 @@ void paged_decode(const T* query, const T* k_cache, const T* v_cache, const int3
 }
 
 #define KVSHARE_DECODE(VECS, GROUP)                                                        \
-  paged_decode<T, VECS, GROUP>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale, \
+  paged_decode<T, C, VECS, GROUP>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale, \
                                num_threads);                                                \
   return 0
 
 // Instantiates the kernel per (group size, head dim); 2 = a shape this build does not cover.
-template <typename T, int kVecs>
-int dispatch_group(const T* query, const T* k_cache, const T* v_cache,
+template <typename T, typename C, int kVecs>
+int dispatch_group(const T* query, const C* k_cache, const C* v_cache,
                    const int32_t* block_tables, const int32_t* seq_lens, T* out, const Shape& s,
                    float scale, int num_threads) {
   switch (s.num_heads / s.num_kv_heads) {
@@ -253,16 +266,16 @@ int dispatch_group(const T* query, const T* k_cache, const T* v_cache,
   }
 }
 
-template <typename T>
-int dispatch_head_dim(const T* query, const T* k_cache, const T* v_cache,
+template <typename T, typename C>
+int dispatch_head_dim(const T* query, const C* k_cache, const C* v_cache,
                       const int32_t* block_tables, const int32_t* seq_lens, T* out,
                       const Shape& s, float scale, int num_threads) {
   switch (s.head_dim) {
     case 64:
-      return dispatch_group<T, 4>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
+      return dispatch_group<T, C, 4>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
                                   num_threads);
     case 128:
-      return dispatch_group<T, 8>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
+      return dispatch_group<T, C, 8>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
                                   num_threads);
     default:
       return 2;
@@ -328,9 +341,10 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads
 }
 
 // Rotate-half rope of `heads` heads of one token: in [heads, D] -> out [heads, D];
-// out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin, each product rounded first (cos/sin [D/2]).
-template <typename T>
-inline void rope_heads(const T* in, const T* cos, const T* sin, T* out, int heads, int head_dim) {
+// out1 = x1 cos - x2 sin, out2 = x2 cos + x1 sin, each product rounded first (cos/sin [D/2]);
+// stored as O (a KV cache's type may differ from T's), rounded once more there.
+template <typename T, typename O>
+inline void rope_heads(const T* in, const T* cos, const T* sin, O* out, int heads, int head_dim) {
   const int half = head_dim / 2;
   for (int h = 0; h < heads; ++h, in += head_dim, out += head_dim) {
     for (int i = 0; i < half; i += kLanes) {
@@ -358,9 +372,9 @@ void rope(const T* x, int64_t row_stride, const T* cos, const T* sin, T* out, in
 // qkv [T, (H + 2 Hkv) D] (token stride row_stride), cos/sin [T, D/2], slots [T] int64 ->
 // q_out [T, H, D]; rotated K and plain V written to slot slots[t] of k_cache / v_cache
 // ([num_slots, Hkv, D]). Returns 3, with nothing written, if a slot is out of range.
-template <typename T>
+template <typename T, typename C>
 int rope_store(const T* qkv, int64_t row_stride, const T* cos, const T* sin,
-               const int64_t* slots, T* q_out, T* k_cache, T* v_cache, int64_t tokens,
+               const int64_t* slots, T* q_out, C* k_cache, C* v_cache, int64_t tokens,
                int heads, int kv_heads, int head_dim, int64_t num_slots, int num_threads) {
   for (int64_t t = 0; t < tokens; ++t) {
     if (slots[t] < 0 || slots[t] >= num_slots) return 3;
@@ -375,7 +389,13 @@ int rope_store(const T* qkv, int64_t row_stride, const T* cos, const T* sin,
     const T* s = sin + t * half;
     rope_heads(row, c, s, q_out + t * q_size, heads, head_dim);
     rope_heads(row + q_size, c, s, k_cache + slots[t] * kv_size, kv_heads, head_dim);
-    std::memcpy(v_cache + slots[t] * kv_size, row + q_size + kv_size, kv_size * sizeof(T));
+    const T* v = row + q_size + kv_size;
+    C* v_slot = v_cache + slots[t] * kv_size;
+    if constexpr (std::is_same_v<T, C>) {
+      std::memcpy(v_slot, v, kv_size * sizeof(T));
+    } else {
+      for (int64_t i = 0; i < kv_size; i += kLanes) store(load(v + i), v_slot + i);
+    }
   }
   return 0;
 }
@@ -448,6 +468,17 @@ int with_dtype(int dtype, Run&& run) {
   return 1;
 }
 
+// Calls run(T{}, C{}) with T the activations' type and C the KV cache's: the cache as the
+// activations (cache_dtype == dtype), or a float32 model over a bfloat16 (1) or float16 (2)
+// cache. 1 for any other pair.
+template <typename Run>
+int with_cache_dtype(int dtype, int cache_dtype, Run&& run) {
+  if (dtype == cache_dtype) return with_dtype(dtype, [&](auto tag) { return run(tag, tag); });
+  if (dtype == 0 && cache_dtype == 1) return run(float{}, bf16{});
+  if (dtype == 0 && cache_dtype == 2) return run(float{}, f16{});
+  return 1;
+}
+
 }  // namespace
 
 extern "C" {
@@ -459,15 +490,19 @@ int kvshare_supports_shape(int head_dim, int group) {
 
 // Every entry point takes a dtype code (0 = float32, 1 = bfloat16) and returns 0 on success,
 // 1 for an unknown dtype; paged decode also 2 for a shape kvshare_supports_shape() refuses.
-int kvshare_paged_decode(int dtype, const void* query, const void* k_cache, const void* v_cache,
-                         const int32_t* block_tables, const int32_t* seq_lens, void* out,
-                         int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                         int block_size, int max_blocks, float scale, int num_threads) {
+// Paged decode and rope-store also take the KV cache's code (2 = float16 besides those two):
+// see with_cache_dtype for the pairs.
+int kvshare_paged_decode(int dtype, int cache_dtype, const void* query, const void* k_cache,
+                         const void* v_cache, const int32_t* block_tables,
+                         const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
+                         int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                         float scale, int num_threads) {
   const Shape s{num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks};
-  return with_dtype(dtype, [&](auto tag) {
+  return with_cache_dtype(dtype, cache_dtype, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
-    return dispatch_head_dim(static_cast<const T*>(query), static_cast<const T*>(k_cache),
-                             static_cast<const T*>(v_cache), block_tables, seq_lens,
+    using C = decltype(cache_tag);
+    return dispatch_head_dim(static_cast<const T*>(query), static_cast<const C*>(k_cache),
+                             static_cast<const C*>(v_cache), block_tables, seq_lens,
                              static_cast<T*>(out), s, scale, num_threads);
   });
 }
@@ -501,15 +536,16 @@ int kvshare_rope(int dtype, const void* x, int64_t row_stride, const void* cos, 
   });
 }
 
-int kvshare_rope_store(int dtype, const void* qkv, int64_t row_stride, const void* cos,
-                       const void* sin, const int64_t* slots, void* q_out, void* k_cache,
-                       void* v_cache, int64_t tokens, int heads, int kv_heads, int head_dim,
-                       int64_t num_slots, int num_threads) {
-  return with_dtype(dtype, [&](auto tag) {
+int kvshare_rope_store(int dtype, int cache_dtype, const void* qkv, int64_t row_stride,
+                       const void* cos, const void* sin, const int64_t* slots, void* q_out,
+                       void* k_cache, void* v_cache, int64_t tokens, int heads, int kv_heads,
+                       int head_dim, int64_t num_slots, int num_threads) {
+  return with_cache_dtype(dtype, cache_dtype, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
+    using C = decltype(cache_tag);
     return rope_store(static_cast<const T*>(qkv), row_stride, static_cast<const T*>(cos),
                       static_cast<const T*>(sin), slots, static_cast<T*>(q_out),
-                      static_cast<T*>(k_cache), static_cast<T*>(v_cache), tokens, heads,
+                      static_cast<C*>(k_cache), static_cast<C*>(v_cache), tokens, heads,
                       kv_heads, head_dim, num_slots, num_threads);
   });
 }

@@ -60,6 +60,19 @@ MARCH = {
 PREBUILT_LEVELS = capabilities.FORCED_LEVELS
 PREBUILT_ENV = "KVSHARE_PREBUILT_KERNELS"
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype argument
+# A KV cache's dtype code (paged decode and rope-store take one beside the activations'): the
+# activations' own, or float16 / bfloat16 under float32 activations (kernels.cpp
+# with_cache_dtype).
+CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def cache_dtype_code(dtype: torch.dtype, cache_dtype: torch.dtype) -> int | None:
+    """The cache's code when the kernels take (dtype, cache_dtype); None when they do not."""
+    if dtype not in DTYPE_CODES or cache_dtype not in CACHE_DTYPE_CODES:
+        return None
+    if cache_dtype != dtype and dtype != torch.float32:
+        return None
+    return CACHE_DTYPE_CODES[cache_dtype]
 
 
 class NativeBuildError(RuntimeError):
@@ -209,7 +222,9 @@ def _remove_other_builds(target: Path, *patterns: str) -> None:
 def _declare(library: ctypes.CDLL) -> None:
     int_, ptr = ctypes.c_int, ctypes.c_void_p
     library.kvshare_paged_decode.restype = int_
-    library.kvshare_paged_decode.argtypes = [int_, *[ptr] * 6, *[int_] * 6, ctypes.c_float, int_]
+    library.kvshare_paged_decode.argtypes = [
+        int_, int_, *[ptr] * 6, *[int_] * 6, ctypes.c_float, int_
+    ]  # fmt: skip
     library.kvshare_supports_shape.restype = int_
     library.kvshare_supports_shape.argtypes = [int_, int_]
     long_, float_ = ctypes.c_int64, ctypes.c_float
@@ -221,7 +236,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvshare_rope.argtypes = [int_, ptr, long_, ptr, ptr, ptr, long_, int_, int_, int_]
     library.kvshare_rope_store.restype = int_
     library.kvshare_rope_store.argtypes = [
-        int_, ptr, long_, ptr, ptr, ptr, ptr, ptr, ptr, long_, int_, int_, int_, long_, int_
+        int_, int_, ptr, long_, ptr, ptr, ptr, ptr, ptr, ptr, long_, int_, int_, int_, long_, int_
     ]  # fmt: skip
     library.kvshare_add_rms_norm.restype = int_
     library.kvshare_add_rms_norm.argtypes = [int_, ptr, ptr, ptr, ptr, long_, int_, float_, int_]

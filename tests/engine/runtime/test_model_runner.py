@@ -188,6 +188,36 @@ def test_bfloat16_runner_decodes(tiny_llama_dir, make_step):
     assert sum(a == b for a, b in zip(seq.output, expected, strict=True)) >= 3
 
 
+@pytest.mark.parametrize(
+    ("overrides", "kv_dtype"),
+    [
+        ({}, torch.float32),  # auto, exact weights: the model's own dtype
+        ({"kv_cache_dtype": "float16"}, torch.float16),
+        ({"kv_cache_dtype": "bfloat16"}, torch.bfloat16),
+    ],
+    ids=["auto", "float16", "bfloat16"],
+)
+def test_kv_cache_dtype_sets_the_pool_and_its_size(tiny_llama_dir, overrides, kv_dtype):
+    # 2 (K, V) * 2 layers * 2 KV heads * 16 head dim * itemsize bytes per token: the same
+    # bytes hold twice the blocks at 2 bytes an element.
+    itemsize = torch.empty((), dtype=kv_dtype).element_size()
+    bytes_per_block = BLOCK_SIZE * 2 * 2 * 2 * 16 * itemsize
+    runner = make_runner(tiny_llama_dir, num_kv_blocks=None, kv_cache_bytes=40 * 1024, **overrides)
+    assert runner.kv_dtype == kv_dtype and runner.dtype == torch.float32
+    assert runner.bytes_per_block == bytes_per_block
+    assert runner.num_kv_blocks == 40 * 1024 // bytes_per_block
+    assert all(k.dtype == v.dtype == kv_dtype for k, v in runner.kv_caches)
+
+
+def test_a_float16_kv_cache_decodes_like_hf(tiny_llama_dir, make_step):
+    """fp32 model, fp16 K/V (rounded where stored, attention in fp32): greedy tokens as HF's."""
+    runner = make_runner(tiny_llama_dir, kv_cache_dtype="float16")
+    seqs = [Seq(i, random_prompt(9 + 4 * i, 20 + i)) for i in range(3)]
+    run_until(MiniScheduler(runner, chunk=16), seqs, 8, make_step)
+    for seq in seqs:
+        assert seq.output == hf_greedy(tiny_llama_dir, seq.prompt, 8)
+
+
 def test_kv_bytes_per_token_without_weights():
     smollm2 = SimpleNamespace(
         num_hidden_layers=30,

@@ -45,12 +45,12 @@ def block_model(library, model_dir):
     return model
 
 
-def caches(model, num_blocks: int = 16):
+def caches(model, num_blocks: int = 16, dtype: torch.dtype = torch.float32):
     spec = model.spec
     shape = (num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
     generator = torch.Generator().manual_seed(7)  # stale contents: never read past seq_lens
     return [
-        (torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+        tuple(torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
         for _ in range(spec.num_layers)
     ]
 
@@ -100,12 +100,16 @@ def _head_weight(model) -> torch.Tensor:
     return model.lm_head.block_weight.dequantize()
 
 
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 @pytest.mark.parametrize("two_threads", [False, True], ids=["1-thread", "2-threads"])
 def test_prefill_and_mixed_steps_are_bit_identical_to_the_torch_model(
-    library, make_tiny_model, make_step, two_threads
+    library, make_tiny_model, make_step, two_threads, cache_dtype
 ) -> None:
     """First chunks, continuation chunks and decodes in one step: every token is a decode
-    query at its own position, in the native stack as in the module path's attention."""
+    query at its own position, in the native stack as in the module path's attention; over
+    each KV cache dtype (kv_cache_dtype), K/V rounded alike where they are stored."""
     model = block_model(library, make_tiny_model("llama", head_dim=64))
     step = NativeDecodeStep.for_model(model, library)
     backend = cpu_native.CpuNativeBackend(library)
@@ -122,7 +126,7 @@ def test_prefill_and_mixed_steps_are_bit_identical_to_the_torch_model(
             1,
         ),
     ]
-    reference_kv, native_kv = caches(model), caches(model)
+    reference_kv, native_kv = caches(model, dtype=cache_dtype), caches(model, dtype=cache_dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(2 if two_threads else 1)
     try:
@@ -152,12 +156,12 @@ def test_models_it_does_not_compute_exactly_are_declined(library, make_tiny_mode
     assert NativeDecodeStep.for_model(normed, library) is None
 
 
-def test_a_bf16_cache_is_declined_untouched(library, make_tiny_model, make_step) -> None:
+def test_a_float64_cache_is_declined_untouched(library, make_tiny_model, make_step) -> None:
     model = block_model(library, make_tiny_model("llama", head_dim=64))
     step = NativeDecodeStep.for_model(model, library)
     spec = model.spec
     shape = (16, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
-    kv = [(torch.zeros(shape, dtype=torch.bfloat16),) * 2 for _ in range(spec.num_layers)]
+    kv = [(torch.zeros(shape, dtype=torch.float64),) * 2 for _ in range(spec.num_layers)]
     inputs = prepare_inputs(make_step([ScheduledSeq(0, [5], 3, [0])], BLOCK_SIZE, 1), CPU)
     hidden = model.model.embed_tokens(inputs.input_ids)
     before = hidden.clone()

@@ -134,6 +134,30 @@ def test_unknown_mode_names_the_key() -> None:
         EngineConfig(quantization="int4")
 
 
+@pytest.mark.parametrize(
+    ("mode", "kv_cache_dtype", "model_dtype", "expected"),
+    [
+        ("none", "auto", "float32", "float32"),  # exact: the model's own, as HF's
+        ("fp16", "auto", "float32", "float32"),
+        ("native", "auto", "float32", "float16"),  # block weights: half the KV bytes
+        ("q8_0", "auto", "float32", "float16"),
+        ("native", "float32", "float32", "float32"),  # an explicit choice wins
+        ("none", "bfloat16", "float32", "bfloat16"),
+        ("none", "auto", "bfloat16", "bfloat16"),
+    ],
+)
+def test_the_kv_cache_dtype_auto_is_float16_under_block_weights(
+    mode: str, kv_cache_dtype: str, model_dtype: str, expected: str
+) -> None:
+    config = EngineConfig(quantization=mode, kv_cache_dtype=kv_cache_dtype)
+    assert config.kv_dtype_name(model_dtype) == expected
+
+
+def test_an_unknown_kv_cache_dtype_names_the_key() -> None:
+    with pytest.raises(ParamError, match="kv_cache_dtype must be auto, float32, bfloat16 or"):
+        EngineConfig(kv_cache_dtype="fp8")
+
+
 def runner_for(model_dir, mode: str) -> ModelRunner:
     config = EngineConfig(
         model=str(model_dir), quantization=mode, attention_backend="torch",

@@ -87,6 +87,29 @@ def test_matches_reference(isa_backend, case: tuple, dtype: torch.dtype) -> None
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+def test_fp32_queries_over_a_half_precision_cache(
+    isa_backend, monkeypatch: pytest.MonkeyPatch, case: tuple, cache_dtype: torch.dtype
+) -> None:
+    """kv_cache_dtype float16 / bfloat16 under a float32 model: the kernel reads the rounded
+    K/V and computes in fp32, so it matches the reference on those same values up to
+    summation order."""
+    chunks, num_decodes, block_size, num_heads, num_kv_heads, head_dim = case
+    batch = make_paged_batch(chunks, num_decodes, block_size, num_heads, num_kv_heads, head_dim)
+    k_cache, v_cache = batch.k_cache.to(cache_dtype), batch.v_cache.to(cache_dtype)
+    kernel, calls = isa_backend._decode_fn, []
+    monkeypatch.setattr(isa_backend, "_decode_fn", lambda *a: calls.append(a[1]) or kernel(*a))
+    scale = head_dim**-0.5
+    out = isa_backend.forward(batch.query, k_cache, v_cache, batch.meta, scale)
+    expected = reference_attention(
+        batch.query, k_cache.float(), v_cache.float(), batch.block_ids, batch.meta, scale
+    )
+    assert calls and set(calls) == {native.CACHE_DTYPE_CODES[cache_dtype]}  # in the kernel
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.fixture
 def two_threads():
     previous = torch.get_num_threads()
