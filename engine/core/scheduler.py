@@ -371,9 +371,12 @@ class Scheduler:
             return None  # nobody else to wait
         for seq in self.table.waiting:
             if seq.tenant == favoured and not seq.was_admitted:
-                fits = self.table.num_seats + seq.num_choices <= self.max_num_seqs
-                return favoured if fits else None
+                return favoured if self._has_seat(seq) else None
         return None
+
+    def _has_seat(self, seq: Sequence) -> bool:
+        """Whether seq's choices fit beside the running ones under max_num_seqs."""
+        return self.table.num_seats + seq.num_choices <= self.max_num_seqs
 
     def _prefill_cap(self, prefilling: set[str]) -> PrefillCap | None:
         if not self.is_fair_share:
@@ -401,7 +404,7 @@ class Scheduler:
             if self._can_never_fit(seq):
                 self._reject(seq)
                 continue
-            if self.table.num_seats + seq.num_choices > self.max_num_seqs:
+            if not self._has_seat(seq):
                 break
             budget = step.prefill_budget(seq.tenant)
             if budget == 0 or self.admission.is_held(seq, self.table.running):

@@ -386,13 +386,13 @@ class ModelRunner:
         """The KV pool's dtype (EngineConfig.kv_dtype_name): one other than the model's only
         where the attention backend stores and reads it (the CPU ones; Triton keeps the
         model's)."""
-        name = self.config.kv_dtype_name(str(self.dtype).removeprefix("torch."))
+        model_dtype = str(self.dtype).removeprefix("torch.")
+        name = self.config.kv_dtype_name(model_dtype)
         kv_dtype = getattr(torch, name)
         if kv_dtype != self.dtype and self.attn_backend.name not in ("cpu", "torch"):
             raise ParamError(
                 "kv_cache_dtype",
-                f"kv_cache_dtype {name} differs from the model's dtype "
-                f"{str(self.dtype).removeprefix('torch.')}, which the "
+                f"kv_cache_dtype {name} differs from the model's dtype {model_dtype}, which the "
                 f"{self.attn_backend.name} attention backend does not support; use auto",
             )
         return kv_dtype
