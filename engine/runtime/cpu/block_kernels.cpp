@@ -23,9 +23,10 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -41,21 +42,10 @@ inline vbyte load_bytes(const uint8_t* p) {
   return v;
 }
 
-// Bytes to int32 lanes through an int32 array: GCC 12 vectorizes this loop (vpmovzxbd/vpmovsxbd)
-// but lowers a direct __builtin_convertvector of a byte vector lane by lane.
-template <typename Byte>
-inline vint widen_int(const Byte* bytes) {
-  int32_t wide[kLanes];
-  for (int i = 0; i < kLanes; ++i) wide[i] = bytes[i];
-  vint v;
-  std::memcpy(&v, wide, sizeof(v));
-  return v;
-}
-
 // Bytes to floats (vcvtdq2ps after the widening).
 template <typename Byte>
 inline vfloat widen(const Byte* bytes) {
-  return __builtin_convertvector(widen_int(bytes), vfloat);
+  return to_float(widen_int(bytes));
 }
 
 inline vfloat to_float(vbyte v) {
@@ -154,7 +144,11 @@ struct Q6_K {
 // Measured on SmolLM2's tensors (1 thread, AVX-512): 2 x 4 beat 4 x 4, 4 x 2 and 4 x 1 at 1
 // and 8 rows (benchmarks/README.md, "GGUF blocks as stored").
 constexpr int kCols = 2;
+#if defined(__AVX512F__)
 constexpr int kTileRows = 4;  // activation rows per pass over a tile's expanded groups
+#else
+constexpr int kTileRows = 2;  // 16 half-width registers: 4 rows' accumulators would spill
+#endif
 // A thread reads its columns' blocks as one stream; the hardware prefetcher alone leaves it at
 // 4-6 GB/s a core here, a software prefetch this far ahead at 7-9 (the 30 MB Q8_0 LM head and a
 // 47 MB Q4_1 matrix, 1 thread, AMD EPYC Zen 4; 2048 beat 512 and 1024, noisy).
@@ -271,7 +265,7 @@ struct NibblePanel {
   static int hi_k(int j) { return j + 16; }
   static Codes codes(const uint8_t* rows, int j) {
     const vint v = widen_int(rows + kPanel * j);
-    return {__builtin_convertvector(v & 15, vfloat), __builtin_convertvector(v >> 4, vfloat)};
+    return {to_float(v & 15), to_float(v >> 4)};
   }
 };
 
@@ -384,12 +378,17 @@ void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float
         case 2: panel_tile<P, 1, 1>(xs, ss, weight, ys, q, K, V); break;
         case 3: panel_tile<P, 1, 2>(xs, ss, weight, ys, q, K, V); break;
         case 4: panel_tile<P, 2, 1>(xs, ss, weight, ys, q, K, V); break;
-        case 5: panel_tile<P, 2, 2>(xs, ss, weight, ys, q, K, V); break;
 #if defined(__AVX512F__)
+        case 5: panel_tile<P, 2, 2>(xs, ss, weight, ys, q, K, V); break;
         case 6: panel_tile<P, 3, 1>(xs, ss, weight, ys, q, K, V); break;
         case 7: panel_tile<P, 3, 2>(xs, ss, weight, ys, q, K, V); break;
         case 8: panel_tile<P, 4, 1>(xs, ss, weight, ys, q, K, V); break;
         default: panel_tile<P, 4, 2>(xs, ss, weight, ys, q, K, V);
+#else  // two rows by two panels would not fit the 16 registers: one panel at a time
+        case 5:
+          panel_tile<P, 2, 1>(xs, ss, weight, ys, q, K, V);
+          panel_tile<P, 2, 1>(xs, ss, weight, ys, q + 1, K, V);
+          break;
 #endif
       }
       if (!pair) break;

@@ -16,9 +16,9 @@
 // A task is one sequence (or, with few sequences, one of its KV heads). The G = H / Hkv query
 // heads that share a KV head are done together, so each K/V row is read once for all (GQA).
 // Math is fp32 whatever the storage type, in two passes: scores and their softmax, then the
-// weighted sum of V. Vectors are GCC vector extensions of 16 floats whatever the target, so one
-// source serves every level: the compiler maps each to one AVX-512 register, or splits it into
-// two AVX2 (x86-64-v3) or four SSE (x86-64-v2) registers. D must be a multiple of 16.
+// weighted sum of V. Vectors have 16 floats whatever the target (vectors.h), so one source
+// serves every level: one AVX-512 register, or two AVX2 (x86-64-v3) or four SSE (x86-64-v2)
+// registers. D must be a multiple of 16.
 
 #include <cmath>
 #include <cstdint>
@@ -26,7 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -34,18 +34,18 @@ namespace {
 
 #include "vectors.h"
 
-typedef uint32_t vuint __attribute__((vector_size(kLanes * 4)));
-typedef uint16_t vbf16 __attribute__((vector_size(kLanes * 2)));
 using bf16 = uint16_t;
 // fp16 is a KV cache type only (EngineConfig.kv_cache_dtype), converted by vectors.h's
 // halves() / store_halves().
 using f16 = _Float16;
 
 inline vfloat load(const bf16* p) {
-  vbf16 raw;
-  std::memcpy(&raw, p, sizeof(raw));
   // bf16 is the top half of an fp32: widen and shift.
-  return reinterpret_cast<vfloat>(__builtin_convertvector(raw, vuint) << 16);
+  uint32_t wide[kLanes];
+  for (int i = 0; i < kLanes; ++i) wide[i] = p[i];
+  vuint bits;
+  std::memcpy(&bits, wide, sizeof(bits));
+  return bitcast<vfloat>(bits << 16);
 }
 
 inline vfloat load(const f16* p) { return halves(reinterpret_cast<const uint8_t*>(p)); }
@@ -56,10 +56,11 @@ inline void store(vfloat v, f16* p) { store_halves(v, reinterpret_cast<uint8_t*>
 
 inline void store(vfloat v, bf16* p) {
   // Round to nearest even, as torch does (NaN does not occur in attention outputs).
-  vuint bits = reinterpret_cast<vuint>(v);
+  vuint bits = bitcast<vuint>(v);
   bits += 0x7fffu + ((bits >> 16) & 1u);
-  const vbf16 narrowed = __builtin_convertvector(bits >> 16, vbf16);
-  std::memcpy(p, &narrowed, sizeof(narrowed));
+  uint32_t wide[kLanes];
+  std::memcpy(wide, &bits, sizeof(wide));
+  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<bf16>(wide[i] >> 16);
 }
 
 inline void store_one(float x, float* p) { *p = x; }
@@ -79,7 +80,7 @@ inline float max(vfloat v) {
 // exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
 // (relative error < 2e-7), 2^n built in the exponent bits. Below -87 the result flushes to ~0.
 inline vfloat exp_nonpositive(vfloat x) {
-  x = x < -87.f ? splat(-87.f) : x;
+  x = select(x < -87.f, splat(-87.f), x);
   const float kRound = 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
   const vfloat n = (x * 1.44269504f + kRound) - kRound;
   const vfloat r = x - n * 0.693145752f - n * 1.42860677e-6f;
@@ -90,8 +91,8 @@ inline vfloat exp_nonpositive(vfloat x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const vint exponent = (__builtin_convertvector(n, vint) + 127) << 23;
-  return p * reinterpret_cast<vfloat>(exponent);
+  const vint exponent = (to_int(n) + 127) << 23;
+  return p * bitcast<vfloat>(exponent);
 }
 
 struct Shape {
@@ -111,7 +112,7 @@ void softmax_rows(float* scores, int rows, int seq_len, int padded_len) {
     vfloat best = splat(-1e30f);
     for (int t = 0; t < padded_len; t += kLanes) {
       const vfloat v = load(row_scores + t);
-      best = v > best ? v : best;
+      best = select(v > best, v, best);
     }
     const float max_score = max(best);
     vfloat total = splat(0.f);
@@ -299,9 +300,9 @@ inline vfloat round_as<float>(vfloat v) {
 
 template <>
 inline vfloat round_as<bf16>(vfloat v) {
-  vuint bits = reinterpret_cast<vuint>(v);
+  vuint bits = bitcast<vuint>(v);
   bits += 0x7fffu + ((bits >> 16) & 1u);
-  return reinterpret_cast<vfloat>(bits & 0xffff0000u);
+  return bitcast<vfloat>(bits & 0xffff0000u);
 }
 
 // out = weight * to_T(x * rsqrt(mean(x^2) + eps)), statistics in fp32 (LlamaRMSNorm).
@@ -333,8 +334,9 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads
     const T* up = gate + inter;
     for (int i = 0; i < inter; i += kLanes) {
       const vfloat g = load(gate + i);
-      const vfloat e = exp_nonpositive(g < 0.f ? g : -g);  // e^-|g|, never overflows
-      const vfloat sigmoid = g < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+      const vint negative = g < 0.f;
+      const vfloat e = exp_nonpositive(select(negative, g, -g));  // e^-|g|, never overflows
+      const vfloat sigmoid = select(negative, e / (1.f + e), 1.f / (1.f + e));
       store(round_as<T>(g * sigmoid) * load(up + i), out + r * inter + i);
     }
   }

@@ -11,8 +11,8 @@ The ISA level picks the target (engine/runtime/cpu/capabilities.py says which ru
 "native" (-march=native, the default; its key also holds this CPU's flags, as its code is only
 valid on the same CPU), or a forced portable level: "avx512" (-march=x86-64-v4: AVX-512 F, BW,
 CD, DQ, VL), "avx2" (-march=x86-64-v3: AVX2 and FMA) or "baseline" (-march=x86-64-v2:
-SSE4.2). One source serves them all: its vectors are GCC vector extensions of 16 floats, which
-the compiler splits into as many registers as the level has.
+SSE4.2). One source serves them all: its vectors have 16 floats, one GCC vector extension with
+AVX-512 and a struct of two (AVX2) or four (SSE) register-wide ones below it (vectors.h).
 
 Where no compiler is installed (the runtime container image), libraries built ahead of time are
 loaded instead: `kvshare build-kernels DIR` compiles the portable levels into DIR, and with
