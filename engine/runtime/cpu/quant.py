@@ -57,6 +57,9 @@ def can_quantize() -> bool:
     return has_fbgemm and bool(capabilities.levels_run_here(("avx2",)))  # fbgemm needs AVX2
 
 
+_FP16_PAD = (0, 2, 1, 0, 0, 0)  # rows added for a row count of this remainder mod 6
+
+
 class Fp16Linear(nn.Module):
     """y = x W^T + b with W held as float16 in fbgemm's layout; x and y are fp32 [N, *]."""
 
@@ -67,7 +70,15 @@ class Fp16Linear(nn.Module):
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        # fbgemm's AVX2 kernels take rows in blocks of 6, and a last block of 1 or 2 rows sums
+        # in another order than the rest (on a Zen 3): padded to 3 rows, a row's output does
+        # not depend on how many rows share the call.
+        rows = x.reshape(-1, self.in_features)
+        pad = _FP16_PAD[rows.shape[0] % 6]
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, self.in_features)])
+        out = torch.ops.quantized.linear_dynamic_fp16(rows, self.packed)
+        return out[: out.shape[0] - pad].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp16"
