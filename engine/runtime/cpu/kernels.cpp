@@ -34,6 +34,9 @@ namespace {
 
 #include "vectors.h"
 
+#if defined(__AVX512F__)  // bf16 rows as one vector: AVX-512 widens and narrows it in registers
+typedef uint16_t vbf16 __attribute__((vector_size(kLanes * 2)));
+#endif
 using bf16 = uint16_t;
 // fp16 is a KV cache type only (EngineConfig.kv_cache_dtype), converted by vectors.h's
 // halves() / store_halves().
@@ -41,11 +44,17 @@ using f16 = _Float16;
 
 inline vfloat load(const bf16* p) {
   // bf16 is the top half of an fp32: widen and shift.
+#if defined(__AVX512F__)
+  vbf16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return reinterpret_cast<vfloat>(__builtin_convertvector(raw, vuint) << 16);
+#else
   uint32_t wide[kLanes];
   for (int i = 0; i < kLanes; ++i) wide[i] = p[i];
   vuint bits;
   std::memcpy(&bits, wide, sizeof(bits));
   return bitcast<vfloat>(bits << 16);
+#endif
 }
 
 inline vfloat load(const f16* p) { return halves(reinterpret_cast<const uint8_t*>(p)); }
@@ -58,9 +67,14 @@ inline void store(vfloat v, bf16* p) {
   // Round to nearest even, as torch does (NaN does not occur in attention outputs).
   vuint bits = bitcast<vuint>(v);
   bits += 0x7fffu + ((bits >> 16) & 1u);
+#if defined(__AVX512F__)
+  const vbf16 narrowed = __builtin_convertvector(bits >> 16, vbf16);
+  std::memcpy(p, &narrowed, sizeof(narrowed));
+#else
   uint32_t wide[kLanes];
   std::memcpy(wide, &bits, sizeof(wide));
   for (int i = 0; i < kLanes; ++i) p[i] = static_cast<bf16>(wide[i] >> 16);
+#endif
 }
 
 inline void store_one(float x, float* p) { *p = x; }
