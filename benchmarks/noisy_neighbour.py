@@ -7,9 +7,12 @@ per scheduling policy (fcfs, then fair-share), all on 127.0.0.1:
 2. flood: tenant A floods (--flood-concurrency requests in flight, unique ~1,000-token
    prompts) while B goes on as in 1; B's TTFT p50 / p99, and the output tokens each got.
 3. equal demand: A and B each keep --equal-concurrency unique ~200-token prompts in flight; each
-   tenant's share of the output tokens finished in the window.
+   tenant's share of the output tokens streamed in the window.
 4. single tenant: benchmarks/serving.py's shared-prefix workload at concurrency 8 with key A
    alone; output-token throughput (what the policy costs with one tenant).
+
+Output tokens are counted as they stream (content chunks), those of requests still running
+when a phase ends included.
 
     python benchmarks/noisy_neighbour.py --out benchmarks/results/noisy_neighbour.json
 
@@ -85,10 +88,12 @@ async def one_request(client, url, model, content, max_tokens, phase, tenant) ->
         "ignore_eos": True,
         "temperature": 0.0,
     }
-    result = await stream_chat(client, url, body, RequestResult(0, 0))
-    if result.ok:
-        phase.output_tokens[tenant] += result.output_tokens
-    else:
+    token_times: list[float] = []
+    try:
+        result = await stream_chat(client, url, body, RequestResult(0, 0), token_times)
+    finally:  # the tokens streamed count, also those of a request the phase's end cancels
+        phase.output_tokens[tenant] += len(token_times)
+    if not result.ok:
         phase.errors.append(f"{tenant}: {result.error}")
     return result
 

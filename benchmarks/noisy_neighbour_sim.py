@@ -31,8 +31,8 @@ NUM_FLOOD = 16
 POLICIES = {
     "fcfs": ("fcfs", 0),
     "fair-share, no cap": ("fair-share", 0),
-    "fair-share, cap 32 (default)": ("fair-share", 32),
     "fair-share, cap 16": ("fair-share", 16),
+    "fair-share, cap 4 (default)": ("fair-share", 4),
 }
 
 

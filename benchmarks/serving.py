@@ -366,10 +366,16 @@ def _read_chunk(chunk: dict, result: RequestResult, now: float, token_times: lis
 
 
 async def stream_chat(
-    client: httpx.AsyncClient, url: str, body: dict, result: RequestResult
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    result: RequestResult,
+    token_times: list[float] | None = None,
 ) -> RequestResult:
-    """Sends one streaming chat completion and fills `result`; never raises for server faults."""
-    token_times: list[float] = []
+    """Sends one streaming chat completion and fills `result`; never raises for server faults.
+    token_times, when given, gets each content chunk's time as it arrives (the caller sees the
+    tokens of a request cancelled midway)."""
+    token_times = [] if token_times is None else token_times
     start = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body) as response:

@@ -76,7 +76,7 @@ class EngineConfig:
     # fair-share, while two or more tenants are active (a live request, or the last one ended
     # less than fair_share_active_seconds ago): the prefill tokens per step of every tenant
     # but the least-served active one, together (0: no cap; engine/core/fair_share.py).
-    fair_share_prefill_tokens: int = 16
+    fair_share_prefill_tokens: int = 4
     fair_share_active_seconds: float = 1.0  # 0: only tenants with a live request are active
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs
