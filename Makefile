@@ -40,7 +40,7 @@ test: setup
 	bash scripts/install_prometheus.sh
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider --durations=30
 
 lint: setup
 	$(BIN)/ruff check .
