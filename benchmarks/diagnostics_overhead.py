@@ -14,8 +14,15 @@ is the same in both trees, so the weights path does not differ). All four load t
 and stay up; each round runs benchmarks/serving.py's shared-prefix workload (one ~200-token
 system prompt, a different short question each, `ignore_eos`) against each server in turn,
 with a seed of its own per round (the same for every server): every round starts with a
-system prompt no server has cached. Prints a Markdown table of output tok/s (median of the
-rounds, and each run) relative to `off`. The server order rotates from round to round.
+system prompt no server has cached. The server order rotates from round to round.
+
+Prints a Markdown table per server: output tok/s (median of the rounds, and each run), and the
+server process's CPU time per output token (user + system, from /proc; Linux only), each
+against `off` two ways: the ratio of the medians, and the median of the same-round ratios with
+its interquartile range. On a shared 2-core host the wall-clock rate of one run moves by 10-20%
+with the neighbours' load; CPU time counts only what the server itself ran, and a same-round
+ratio cancels the drift both servers saw, so those two columns are the ones that can show a
+cost of a few percent.
 
     python benchmarks/diagnostics_overhead.py --rounds 3 --requests 16 --max-tokens 32
     python benchmarks/diagnostics_overhead.py --quick      # a smoke run: 1 round, 4 requests
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -65,7 +73,9 @@ class Server:
     name: str
     tree: Path
     base_url: str = ""
+    pid: int = 0
     tok_s: list[float] = field(default_factory=list)
+    cpu_ms_per_token: list[float] = field(default_factory=list)  # server CPU per output token
     num_failed: int = 0
 
 
@@ -100,7 +110,17 @@ def serve(server: Server, args: argparse.Namespace) -> subprocess.Popen:
         command, f"http://127.0.0.1:{port}/ready", cwd=server.tree, env=env, log=log
     )
     server.base_url = f"http://127.0.0.1:{port}/v1"
+    server.pid = process.pid
     return process
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and of its waited-for children (/proc/PID/stat)."""
+    # The fields after the command name (which may hold spaces) start with the state: utime,
+    # stime, cutime and cstime are fields 14-17 of the whole line.
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = sum(int(value) for value in fields[11:15])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def serves_diagnostics(server: Server) -> bool:
@@ -109,16 +129,19 @@ def serves_diagnostics(server: Server) -> bool:
     return "kvshare_prefix_cache_miss_tokens_total" in metrics.text
 
 
-def run_round(server: Server, args: argparse.Namespace, seed: int) -> float:
+def run_round(server: Server, args: argparse.Namespace, seed: int) -> tuple[float, float]:
+    """(output tok/s, the server's CPU ms per output token) of one run."""
     config = BenchmarkConfig(
         base_url=server.base_url, workload="shared-prefix", num_requests=args.requests,
         concurrency=args.concurrency, max_tokens=args.max_tokens, seed=seed, api_key=API_KEY,
         timeout_s=args.timeout,
     )  # fmt: skip
+    cpu_before = cpu_seconds(server.pid)
     results, duration = asyncio.run(run_benchmark(config))
+    cpu_spent = cpu_seconds(server.pid) - cpu_before
     summary = summarize(results, config.workload, config.num_requests, duration)
     server.num_failed += config.num_requests - summary.completed
-    return summary.output_token_throughput
+    return summary.output_token_throughput, cpu_spent * 1e3 / max(1, summary.output_tokens)
 
 
 def measure(servers: list[Server], args: argparse.Namespace) -> None:
@@ -129,29 +152,53 @@ def measure(servers: list[Server], args: argparse.Namespace) -> None:
         # position in a round spread over every server alike.
         shift = round_index % len(servers)
         for server in servers[shift:] + servers[:shift]:
-            tok_s = run_round(server, args, seed=round_index)
+            tok_s, cpu_ms = run_round(server, args, seed=round_index)
             server.tok_s.append(tok_s)
-            print(f"round {round_index} {server.name}: {tok_s:.1f} tok/s", file=sys.stderr)
+            server.cpu_ms_per_token.append(cpu_ms)
+            print(
+                f"round {round_index} {server.name}: {tok_s:.1f} tok/s, "
+                f"{cpu_ms:.2f} CPU ms per token",
+                file=sys.stderr,
+            )
+
+
+def paired(values: list[float], base: list[float]) -> str:
+    """The median of the same-round ratios values / base - 1, with their interquartile range."""
+    ratios = [value / reference - 1 for value, reference in zip(values, base, strict=True)]
+    if len(ratios) < 2:
+        return f"{ratios[0]:+.1%}"
+    low, _, high = statistics.quantiles(ratios, n=4)
+    return f"{statistics.median(ratios):+.1%} ({low:+.1%} .. {high:+.1%})"
 
 
 def format_markdown(servers: list[Server], args: argparse.Namespace, commit: str) -> str:
-    medians = {server.name: statistics.median(server.tok_s) for server in servers}
-    base = medians.get("off")
+    by_name = {server.name: server for server in servers}
+    base = by_name.get("off")
     lines = [
         f"Shared-prefix workload, {args.requests} requests x {args.max_tokens} output tokens, "
         f"concurrency {args.concurrency}, --quantization {args.quantization}, one API key, "
-        f"{args.rounds} interleaved rounds; before = {commit[:10]}.",
+        f"{args.rounds} interleaved rounds; before = {commit[:10]}. Against `off`: the ratio "
+        "of the medians, then the median of the same-round ratios (interquartile range).",
         "",
-        "| server | output tok/s (median) | vs off | runs (tok/s) | failed |",
-        "|---|---|---|---|---|",
+        "| server | output tok/s (median) | vs off | same round | server CPU ms per token "
+        "(median) | vs off | same round | failed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for server in servers:
-        relative = "-" if base is None else f"{medians[server.name] / base - 1:+.1%}"
+        tok_s = statistics.median(server.tok_s)
+        cpu_ms = statistics.median(server.cpu_ms_per_token)
+        columns = [server.name, f"{tok_s:.1f}", "-", "-", f"{cpu_ms:.2f}", "-", "-"]
+        if base is not None and server is not base:
+            columns[2] = f"{tok_s / statistics.median(base.tok_s) - 1:+.1%}"
+            columns[3] = paired(server.tok_s, base.tok_s)
+            columns[5] = f"{cpu_ms / statistics.median(base.cpu_ms_per_token) - 1:+.1%}"
+            columns[6] = paired(server.cpu_ms_per_token, base.cpu_ms_per_token)
+        lines.append("| " + " | ".join([*columns, str(server.num_failed)]) + " |")
+    lines += ["", "| server | runs (tok/s) | runs (server CPU ms per token) |", "|---|---|---|"]
+    for server in servers:
         runs = ", ".join(f"{v:.1f}" for v in server.tok_s)
-        lines.append(
-            f"| {server.name} | {medians[server.name]:.1f} | {relative} | {runs} | "
-            f"{server.num_failed} |"
-        )
+        cpu_runs = ", ".join(f"{v:.2f}" for v in server.cpu_ms_per_token)
+        lines.append(f"| {server.name} | {runs} | {cpu_runs} |")
     return "\n".join(lines)
 
 
@@ -197,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     table = format_markdown(servers, args, commit)
     if args.out is not None:
         runs = {server.name: server.tok_s for server in servers}
-        args.out.write_text(json.dumps({"baseline": commit, "tok_s": runs}, indent=2) + "\n")
+        cpu = {server.name: server.cpu_ms_per_token for server in servers}
+        record = {"baseline": commit, "tok_s": runs, "server_cpu_ms_per_token": cpu}
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(table)
     return 0
 
