@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
 import tarfile
@@ -33,6 +34,10 @@ CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
 )  # fmt: skip
+# Without AMX: on an AMX Xeon under KVM, ggml 0.25.3's AMX matmul (what -march=native turns on)
+# died of SIGILL at `tilezero` in ggml_backend_amx_mul_mat as the model loaded, though AMX runs
+# there once a thread loads its tile config; AVX-512 VNNI serves the same blocks.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 # vLLM's CPU tuning as its docs give it (docs/getting_started/installation/cpu.md, "Related
 # runtime environment variables" and "Performance tips"): a KV space of its own size in GiB and
 # the OpenMP threads bound to the cores, here both cores with none reserved for the front end.
@@ -86,7 +91,10 @@ def build_llama_server(root: Path) -> Path:
         with tarfile.open(archive) as tar:
             tar.extractall(work, filter="data")
     build = source / "vendor/llama.cpp/build"
-    _run(["cmake", "-S", str(source / "vendor/llama.cpp"), "-B", str(build), *CMAKE_FLAGS])
+    flags = list(CMAKE_FLAGS)
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+    _run(["cmake", "-S", str(source / "vendor/llama.cpp"), "-B", str(build), *flags])
     _run(["cmake", "--build", str(build), "--target", "llama-server", "-j2"])
     return build / "bin" / "llama-server"
 

@@ -161,13 +161,19 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(
             config.attention_backend, self.device, kvshare_cache_dir(config) / "kernels"
         )
+        fused_ops = None
         if self.attn_backend.name == "cpu":  # its library also has the fused elementwise ops
             library = self.attn_backend.library
-            self.model.use_fused_ops(CpuFusedOps(library))
+            fused_ops = CpuFusedOps(library)
+            self.model.use_fused_ops(fused_ops)
             if config.native_decode and hasattr(self.model, "use_native_decode"):
                 self.model.use_native_decode(NativeDecodeStep.for_model(self.model, library))
         self.grammar_matchers = GrammarMatchers(self.model_info.vocab_size)
-        self.sampler = Sampler(self.model_info.eos_token_ids, self.grammar_matchers)
+        self.sampler = Sampler(
+            self.model_info.eos_token_ids,
+            self.grammar_matchers,
+            argmax=fused_ops.argmax if fused_ops is not None else None,
+        )
         self._capture_seq_ids: set[int] = set()  # the auditor's (the warm-up samples too)
         self._prompt_logits: dict[int, torch.Tensor] = {}
         self.block_size = config.block_size

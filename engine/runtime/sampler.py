@@ -16,7 +16,7 @@ checks whether its candidate set (a top-k, far cheaper than a full sort) holds t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,10 +85,16 @@ class Sampler:
     grammar_keys (without it such a spec is an error)."""
 
     def __init__(
-        self, eos_token_ids: Sequence[int], grammars: GrammarMatchers | None = None
+        self,
+        eos_token_ids: Sequence[int],
+        grammars: GrammarMatchers | None = None,
+        argmax: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
     ) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammars = grammars
+        # A faster argmax over the rows with the same answer as torch's (the CPU kernels'):
+        # it returns None for logits it does not take, which then go to torch.
+        self.argmax = argmax
 
     def __call__(
         self, logits: torch.Tensor, specs: Sequence[SampleSpec]
@@ -198,7 +204,9 @@ class Sampler:
         logits[rows] -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
 
     def _choose(self, logits: torch.Tensor, draws: list[_Draw]) -> torch.Tensor:
-        token_ids = logits.argmax(dim=-1)  # [N]; the answer for greedy rows
+        token_ids = self.argmax(logits) if self.argmax is not None else None
+        if token_ids is None:
+            token_ids = logits.argmax(dim=-1)  # [N]; the answer for greedy rows
         random_draws = [(i, d) for i, d in enumerate(draws) if not d.params.is_greedy]
         is_plain = [d.params.top_k == -1 and d.params.top_p == 1.0 for _, d in random_draws]
         plain = [pair for pair, yes in zip(random_draws, is_plain, strict=True) if yes]

@@ -1,6 +1,6 @@
 """The Llama block's elementwise ops fused on the CPU: RMSNorm (alone or after the residual
-add), SiLU-and-multiply, rope (alone or on q and k with the KV store), and the LM head's
-matrix-vector product for a few rows.
+add), SiLU-and-multiply, rope (alone or on q and k with the KV store), the LM head's
+matrix-vector product for a few rows, and greedy sampling's argmax.
 
 In torch each is a chain of small ops (an RMSNorm is eight, a rope seven), which at 32
 decoding sequences cost more in dispatch and passes over memory than in arithmetic. The
@@ -143,6 +143,23 @@ class CpuFusedOps:
             DTYPE_CODES[x.dtype], x.data_ptr(), weight.data_ptr(), out.data_ptr(),
             x.shape[0], x.shape[1], weight.shape[0], torch.get_num_threads(),
         )  # fmt: skip
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """logits float32 [N, V] -> int64 [N], as logits.argmax(dim=-1) (ties: the first;
+        a NaN beats any number) in one vectorized pass per row."""
+        if not (
+            logits.dim() == 2
+            and logits.dtype == torch.float32
+            and logits.device.type == "cpu"
+            and logits.is_contiguous()
+            and 1 <= logits.shape[1] <= 1 << 24
+        ):
+            return None
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._library.kvshare_argmax(
+            logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr()
+        )
         return out
 
 

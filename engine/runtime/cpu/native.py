@@ -240,6 +240,8 @@ def _declare(library: ctypes.CDLL) -> None:
     ]  # fmt: skip
     library.kvshare_add_rms_norm.restype = int_
     library.kvshare_add_rms_norm.argtypes = [int_, ptr, ptr, ptr, ptr, long_, int_, float_, int_]
+    library.kvshare_argmax.restype = int_
+    library.kvshare_argmax.argtypes = [ptr, long_, long_, ptr]
     library.kvshare_gemv.restype = int_
     library.kvshare_gemv.argtypes = [int_, ptr, ptr, ptr, int_, int_, long_, int_]
     library.kvshare_block_linear.restype = int_

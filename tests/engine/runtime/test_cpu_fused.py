@@ -79,3 +79,32 @@ def test_calls_it_does_not_cover_return_none(ops: CpuFusedOps) -> None:
     assert ops.silu_mul(randn(4, 2 * 24, dtype=torch.float32)) is None
     cos = sin = torch.ones(4, 1, 8)
     assert ops.rope(randn(4, 2, 16, dtype=torch.float32), cos, sin) is None  # half = 8
+
+
+@pytest.mark.parametrize("cols", [1, 15, 16, 17, 200, 49152])
+def test_argmax_is_torch_argmax(ops: CpuFusedOps, cols: int) -> None:
+    logits = randn(5, cols) * 10
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_ties_infinities_and_nans_as_torch(ops: CpuFusedOps) -> None:
+    inf, nan = float("inf"), float("nan")
+    rows = torch.full((9, 100), -1.0)
+    rows[0, [3, 40, 97]] = 5.0  # ties across lanes and the tail: the first wins
+    rows[1, [19, 35]] = 5.0  # ties within one lane
+    rows[2, [50, 99]] = inf
+    rows[3] = -inf  # all -inf: index 0
+    rows[4, [20, 70]] = nan  # the first NaN beats everything
+    rows[5, 98] = nan  # a NaN in the tail only
+    rows[6, [10, 11]] = torch.tensor([inf, -inf])  # both infinities (sum NaN), no NaN: +inf
+    rows[6, 60] = -inf
+    rows[7, 0] = nan
+    rows[8, 99] = 7.0  # the largest value in the tail
+    assert torch.equal(ops.argmax(rows), rows.argmax(dim=-1))
+    assert ops.argmax(rows).tolist() == [3, 19, 50, 0, 20, 98, 10, 0, 99]
+
+
+def test_argmax_declines_what_it_does_not_take(ops: CpuFusedOps) -> None:
+    assert ops.argmax(randn(3, 64).t()) is None  # not contiguous
+    assert ops.argmax(randn(3, 64).double()) is None
+    assert ops.argmax(randn(64)) is None  # one dimension

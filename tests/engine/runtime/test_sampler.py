@@ -46,6 +46,19 @@ def test_greedy_is_argmax():
     assert tokens(result) == logits.argmax(-1).tolist()
 
 
+def test_an_injected_argmax_picks_the_greedy_rows_and_none_falls_back_to_torch():
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(1))
+    specs = [spec(temperature=0.0), spec(seed=3, temperature=1.0)] * 2
+    plain = tokens(Sampler([EOS])(logits, specs))
+    # A stand-in that answers like torch but counts its calls; seeded rows still draw.
+    calls = []
+    counted = Sampler([EOS], argmax=lambda x: calls.append(x.shape) or x.argmax(dim=-1))
+    assert tokens(counted(logits, specs)) == plain and calls == [(4, 40)]
+    declining = Sampler([EOS], argmax=lambda x: None)
+    assert tokens(declining(logits, specs)) == plain
+    assert plain[0] == logits[0].argmax().item() and plain[2] == logits[2].argmax().item()
+
+
 def test_tensor_hash_matches_python_reference():
     """The tensor splitmix64 in the sampler against engine/core/seeds.py's mix64, bit for bit:
     keys with the top bit set (negative as int64) and token ids near 2**31 included."""
