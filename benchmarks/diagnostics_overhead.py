@@ -20,9 +20,9 @@ Prints a Markdown table per server: output tok/s (median of the rounds, and each
 server process's CPU time per output token (user + system, from /proc; Linux only), each
 against `off` two ways: the ratio of the medians, and the median of the same-round ratios with
 its interquartile range. On a shared 2-core host the wall-clock rate of one run moves by 10-20%
-with the neighbours' load; CPU time counts only what the server itself ran, and a same-round
-ratio cancels the drift both servers saw, so those two columns are the ones that can show a
-cost of a few percent.
+with the neighbours' load. A same-round ratio cancels the drift both servers saw; CPU time per
+token tells a server that did more work from cores that ran slower (on an AVX-512 Xeon it moved
+with the wall clock: the server kept both cores busy, so the spread came from the cores).
 
     python benchmarks/diagnostics_overhead.py --rounds 3 --requests 16 --max-tokens 32
     python benchmarks/diagnostics_overhead.py --quick      # a smoke run: 1 round, 4 requests

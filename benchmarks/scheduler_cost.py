@@ -37,21 +37,18 @@ def run(policy: str, num_requests: int, concurrency: int) -> tuple[float, int]:
         EngineRequest(f"r{i}", list(range(1, 200)) + [1000 + i % 250] * 40, params, tenant="t")
         for i in range(num_requests)
     ]
-    in_flight: set[str] = set()
     spent, steps = 0.0, 0
-    while requests or in_flight:
-        while requests and len(in_flight) < concurrency:  # arrivals: not timed
-            request = requests.pop(0)
-            scheduler.add_request(request)
-            in_flight.add(request.request_id)
+    while requests or scheduler.has_unfinished_requests():
+        # Arrivals (not timed): one request per finished one, up to the concurrency.
+        while requests and scheduler.num_running + scheduler.num_waiting < concurrency:
+            scheduler.add_request(requests.pop(0))
         started = time.perf_counter()
         output = scheduler.schedule()
         spent += time.perf_counter() - started
         result = runner.execute(output)  # the fake model: not timed
         started = time.perf_counter()
-        outputs = scheduler.update_from_output(output, result)
+        scheduler.update_from_output(output, result)
         spent += time.perf_counter() - started
-        in_flight -= {out.request_id for out in outputs if out.finished}
         steps += 1
     return spent / steps * 1e6, steps
 

@@ -148,19 +148,15 @@ class CpuFusedOps:
     def argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
         """logits float32 [N, V] -> int64 [N], as logits.argmax(dim=-1) (ties: the first;
         a NaN beats any number) in one vectorized pass per row."""
-        if not (
-            logits.dim() == 2
-            and logits.dtype == torch.float32
-            and logits.device.type == "cpu"
-            and logits.is_contiguous()
-            and 1 <= logits.shape[1] <= 1 << 24
-        ):
+        if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu":
+            return None
+        if not logits.is_contiguous():
             return None
         out = torch.empty(logits.shape[0], dtype=torch.int64)
-        self._library.kvshare_argmax(
+        status = self._library.kvshare_argmax(
             logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr()
         )
-        return out
+        return out if status == 0 else None  # 2: a row length the kernel does not take
 
 
 def _covers(t: torch.Tensor, ndim: int) -> bool:
