@@ -126,6 +126,7 @@ class LLMEngine:
             scheduling_policy=self.config.scheduling_policy,
             record_cache_hits=self.config.audit_sample_rate > 0,
             proposer=self._build_proposer(),
+            speculative_max_decodes=self.config.speculative_max_decodes,
             fair_share_weights=FairShareWeights(
                 prompt=self.config.fair_share_prompt_weight,
                 cached_prompt=self.config.fair_share_cached_prompt_weight,

@@ -111,6 +111,10 @@ class EngineConfig:
     speculative_ngram_tokens: int = 0
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
+    # Draft only in steps where at most this many sequences decode (0: any number). One
+    # sequence's decode step reads every weight for one row, so rows of a draft come almost
+    # free; in a larger batch each drafted row costs compute the batch already spends.
+    speculative_max_decodes: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -189,6 +193,7 @@ class EngineConfig:
             (self.grammar_cache_size >= 1, "grammar_cache_size", "must be >= 1"),
             (self.speculative_ngram_tokens >= 0, "speculative_ngram_tokens", "must be >= 0"),
             (self.speculative_ngram_min >= 1, "speculative_ngram_min", "must be >= 1"),
+            (self.speculative_max_decodes >= 0, "speculative_max_decodes", "must be >= 0"),
             (
                 self.speculative_ngram_max >= self.speculative_ngram_min,
                 "speculative_ngram_max",

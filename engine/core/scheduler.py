@@ -78,7 +78,8 @@ class Scheduler:
     that reuses cached tokens is kept as a CacheHit for take_cache_hits() (the engine drains
     them every step for the auditor).
 
-    With a `proposer`, decodes may carry a speculative draft: what is drafted and what a
+    With a `proposer`, decodes may carry a speculative draft (only in steps where at most
+    speculative_max_decodes sequences decode; 0: any number): what is drafted and what a
     verified step keeps is decided in engine/core/spec_scheduling.py.
     """
 
@@ -94,6 +95,7 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         record_cache_hits: bool = False,
         proposer: NgramProposer | None = None,
+        speculative_max_decodes: int = 0,
         fair_share_weights: FairShareWeights | None = None,
         fair_share_prefill_tokens: int = 0,
         fair_share_active_seconds: float = 1.0,
@@ -116,7 +118,9 @@ class Scheduler:
         self._num_steps = 0  # schedule() calls so far
         self.record_cache_hits = record_cache_hits
         self._cache_hits: list[CacheHit] = []
-        self.spec = SpecScheduling(proposer, kv_cache_manager, max_model_len)
+        self.spec = SpecScheduling(
+            proposer, kv_cache_manager, max_model_len, max_decodes=speculative_max_decodes
+        )
         self._was_solo = False  # the last step was one tenant's alone (fair share)
 
     # -- state --------------------------------------------------------------------------------
@@ -311,12 +315,16 @@ class Scheduler:
         draft come after the plain decodes (their 1 + k tokens are verified like a prefill
         chunk)."""
         drafted: list[tuple[Sequence, list[int]]] = []
-        for seq in list(self.table.running):
+        running = list(self.table.running)
+        may_draft = self.spec.drafts_among(
+            sum(seq.is_decoding and only_tenant in (None, seq.tenant) for seq in running)
+        )
+        for seq in running:
             if step.budget == 0:
                 break
             if not seq.is_decoding or only_tenant not in (None, seq.tenant):
                 continue
-            draft = self.spec.draft(seq, step.budget - 1)
+            draft = self.spec.draft(seq, step.budget - 1) if may_draft else []
             if draft:
                 drafted.append((seq, draft))
             elif self._reserve_slots(step, seq, 1):

@@ -1,8 +1,9 @@
 """Speculative decoding in the scheduler: which decodes carry a draft, and what a verified
 step keeps (torch-free).
 
-Drafting: a decoding sequence gets an n-gram draft (spec_ngram.NgramProposer) unless it is
-grammar-constrained, backs off after drafts that kept nothing (Sequence.may_draft /
+Drafting: in a step where at most max_decodes sequences decode (a batch bound by reading the
+weights, whose drafted rows cost little), a decoding sequence gets an n-gram draft
+(spec_ngram.NgramProposer) unless it is grammar-constrained, backs off after drafts that kept nothing (Sequence.may_draft /
 record_draft), or has no room left (max_tokens, the context window). The Scheduler schedules
 drafted sequences after the plain decodes, each with its last token plus the draft (1 + k
 positions, verified like a prefill chunk); a draft is cut to the step's token budget and
@@ -40,10 +41,20 @@ class SpecScheduling:
         proposer: NgramProposer | None,
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
+        max_decodes: int = 0,
     ) -> None:
         self.proposer = proposer
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
+        self.max_decodes = max_decodes  # draft only in steps with at most this many decodes
+
+    def drafts_among(self, num_decodes: int) -> bool:
+        """Whether a step with num_decodes decoding sequences may draft at all: a batch of
+        one (or a few) is bound by reading the weights, so drafted rows cost little; past
+        max_decodes (0: no limit) every decode runs one token."""
+        return self.proposer is not None and (
+            self.max_decodes == 0 or num_decodes <= self.max_decodes
+        )
 
     def draft(self, seq: Sequence, max_num_tokens: int) -> list[int]:
         """Draft tokens for a decoding seq: none past max_tokens or the context window (the

@@ -14,10 +14,15 @@ from engine.kv.kv_cache_manager import KVCacheManager
 BLOCK_SIZE = 4
 
 
-def make(enable_prefix_cache: bool = False, num_blocks: int = 16) -> Scheduler:
+def make(
+    enable_prefix_cache: bool = False, num_blocks: int = 16, max_decodes: int = 0
+) -> Scheduler:
     pool = BlockPool(num_blocks=num_blocks, block_size=BLOCK_SIZE)
     manager = KVCacheManager(pool, enable_prefix_cache=enable_prefix_cache)
-    return Scheduler(manager, 8, 64, 64, (), weights_version="w", proposer=NgramProposer(4, 1, 2))
+    return Scheduler(
+        manager, 8, 64, 64, (), weights_version="w", proposer=NgramProposer(4, 1, 2),
+        speculative_max_decodes=max_decodes,
+    )  # fmt: skip
 
 
 def answer(scheduler: Scheduler, chosen: dict[int, list[int]]):
@@ -124,3 +129,21 @@ def test_a_draft_the_pool_cannot_hold_is_dropped_without_preempting():
     assert scheduler.counters.num_preemptions == 0
     assert [o.outputs[0].new_token_ids for o in outputs] == [[6], [1]]
     assert scheduler.kv_cache_manager.num_free_blocks == 0
+
+
+def test_drafts_stop_while_more_sequences_decode_than_max_decodes():
+    scheduler = make(num_blocks=32, max_decodes=1)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    scheduler.add_request(EngineRequest("a", [1, 2, 3, 1, 2], params))
+    scheduler.add_request(EngineRequest("b", [5, 6, 7, 5, 6], params))
+    answer(scheduler, {0: [3], 1: [7]})  # both prefilled; each context repeats itself
+    out, _ = answer(scheduler, {0: [1], 1: [5]})
+    # Two decode: one token each, no draft, though both have a match to propose.
+    assert [s.draft_token_ids for s in out.seqs] == [[], []] and out.num_decodes == 2
+    assert [s.token_ids for s in out.seqs] == [[3], [7]]
+    scheduler.abort_request("b")
+    out, _ = answer(scheduler, {0: [2, 3, 1, 2]})
+    # One decodes: it drafts again ("3 1" occurred before, followed by 2 3 1).
+    (alone,) = out.seqs
+    assert alone.draft_token_ids == [2, 3, 1] and alone.token_ids == [1, 2, 3, 1]
+    assert scheduler.counters.num_spec_draft_tokens == 3
