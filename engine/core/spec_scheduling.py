@@ -3,11 +3,12 @@ step keeps (torch-free).
 
 Drafting: in a step where at most max_decodes sequences decode (a batch bound by reading the
 weights, whose drafted rows cost little), a decoding sequence gets an n-gram draft
-(spec_ngram.NgramProposer) unless it is grammar-constrained, backs off after drafts that kept nothing (Sequence.may_draft /
-record_draft), or has no room left (max_tokens, the context window). The Scheduler schedules
-drafted sequences after the plain decodes, each with its last token plus the draft (1 + k
-positions, verified like a prefill chunk); a draft is cut to the step's token budget and
-dropped when the pool cannot hold it without preempting (a draft never preempts anyone).
+(spec_ngram.NgramProposer) unless it is grammar-constrained, backs off after drafts that kept
+nothing (Sequence.may_draft / record_draft), or has no room left (max_tokens, the context
+window). The Scheduler schedules drafted sequences after the plain decodes, each with its last
+token plus the draft (1 + k positions, verified like a prefill chunk); a draft is cut to the
+step's token budget and dropped when the pool cannot hold it without preempting (a draft never
+preempts anyone).
 
 Verification: the draft's prefix that agrees with the target's choices is kept, then the
 target's next choice; the KV slots past the kept tokens go back (num_computed_tokens goes
