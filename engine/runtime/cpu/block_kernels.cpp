@@ -321,11 +321,34 @@ constexpr int kWidePanels = 4, kPanelTileRows = 4;
 constexpr int kWidePanels = 2, kPanelTileRows = 2;
 #endif
 
+// Many rows: a chunk's panels are expanded to fp32 once (expand_panels) and every row tile reads
+// them back from that buffer, so the FMAs no longer share their ports with the expansion. The
+// floats are the same, and so are the operations on them and their order: the rows come out
+// bit-identical to the expanding path (tests/engine/runtime/test_block_linear.py).
+constexpr int kExpandRows = 64;
+
+// A chunk's panels [p, p + num), expanded: per panel, group and code step, the lo and hi vectors.
+template <typename P>
+void expand_panels(const uint8_t* weight, int64_t p, int num, int groups, vfloat* expanded) {
+  const int64_t panel_bytes = int64_t{groups} * P::kBytes;
+  for (int c = 0; c < num; ++c)
+    for (int g = 0; g < groups; ++g) {
+      const uint8_t* block = weight + (p + c) * panel_bytes + int64_t{g} * P::kBytes;
+      vfloat* codes = expanded + (int64_t{c} * groups + g) * 2 * P::kSteps;
+      for (int j = 0; j < P::kSteps; ++j) {
+        const Codes w = P::codes(block + P::kCodes, j);
+        codes[2 * j] = w.lo;
+        codes[2 * j + 1] = w.hi;
+      }
+    }
+}
+
 // out[r, 16 (p0 + c) + lane] for r < kRows, c < kTilePanels. sums [rows, K / 32]: each row's
-// group sums (read only with a minimum).
-template <typename P, int kRows, int kTilePanels>
+// group sums (read only with a minimum). With kExpanded the codes come from `expanded` (panel
+// p0's first, as expand_panels lays them out) instead of the code bytes.
+template <typename P, int kRows, int kTilePanels, bool kExpanded = false>
 void panel_tile(const float* x, const float* sums, const uint8_t* weight, float* out, int64_t p0,
-                int in_features, int64_t out_features) {
+                int in_features, int64_t out_features, const vfloat* expanded = nullptr) {
   const int groups = in_features / 32;
   const int64_t panel_bytes = int64_t{groups} * P::kBytes;
   vfloat acc[kTilePanels][kRows] = {};
@@ -336,15 +359,22 @@ void panel_tile(const float* x, const float* sums, const uint8_t* weight, float*
       block[c] = weight + (p0 + c) * panel_bytes + int64_t{g} * P::kBytes;
       // Into every cache level (T0): the non-temporal hint the row kernel uses cost the panels
       // 15-25% on an AVX-512 Xeon, Q4_1 layers and the Q8_0 head alike (benchmarks/README.md).
-      for (int line = 0; line < P::kBytes; line += 64)
-        __builtin_prefetch(block[c] + kPrefetchBytes + line, 0, 3);
+      if constexpr (!kExpanded)
+        for (int line = 0; line < P::kBytes; line += 64)
+          __builtin_prefetch(block[c] + kPrefetchBytes + line, 0, 3);
     }
     const float* xg = x + 32 * g;
     vfloat lo[kTilePanels][kRows] = {}, hi[kTilePanels][kRows] = {};
     for (int j = 0; j < P::kSteps; ++j) {
 #pragma GCC unroll 4
       for (int c = 0; c < kTilePanels; ++c) {
-        const Codes w = P::codes(block[c] + P::kCodes, j);
+        Codes w;
+        if constexpr (kExpanded) {
+          const vfloat* codes = expanded + (int64_t{c} * groups + g) * 2 * P::kSteps + 2 * j;
+          w = {codes[0], codes[1]};
+        } else {
+          w = P::codes(block[c] + P::kCodes, j);
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < kRows; ++r) {
           lo[c][r] += w.lo * xg[r * int64_t{in_features} + P::lo_k(j)];
@@ -371,10 +401,12 @@ void panel_tile(const float* x, const float* sums, const uint8_t* weight, float*
 
 // Panels [p, p + num) for every row tile: a row tile's pass over these panels finds their blocks in
 // cache from the one before (each weight byte is read from memory once per step).
-template <typename P>
+template <typename P, bool kExpanded>
 void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float* out, int64_t p,
-                 int num, int rows, int in_features, int64_t out_features) {
+                 int num, int rows, int in_features, int64_t out_features,
+                 const vfloat* expanded) {
   const int groups = in_features / 32;
+  const int64_t panel_codes = int64_t{groups} * 2 * P::kSteps;  // one panel's expanded vectors
   for (int r0 = 0; r0 < rows; r0 += kPanelTileRows) {
     const float* xs = x + r0 * int64_t{in_features};
     const float* ss = sums + r0 * int64_t{groups};
@@ -383,25 +415,27 @@ void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float
     const int64_t V = out_features;
     const int tile_rows = rows - r0 < kPanelTileRows ? rows - r0 : kPanelTileRows;
     if (tile_rows == 1 && num == kWidePanels) {
-      panel_tile<P, 1, kWidePanels>(xs, ss, weight, ys, p, K, V);
+      panel_tile<P, 1, kWidePanels, kExpanded>(xs, ss, weight, ys, p, K, V, expanded);
       continue;
     }
     for (int64_t q = p; q < p + num; q += 2) {
       const bool pair = q + 2 <= p + num;
+      const vfloat* e = kExpanded ? expanded + (q - p) * panel_codes : nullptr;
       switch (tile_rows * 2 + pair) {
-        case 2: panel_tile<P, 1, 1>(xs, ss, weight, ys, q, K, V); break;
-        case 3: panel_tile<P, 1, 2>(xs, ss, weight, ys, q, K, V); break;
-        case 4: panel_tile<P, 2, 1>(xs, ss, weight, ys, q, K, V); break;
+        case 2: panel_tile<P, 1, 1, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
+        case 3: panel_tile<P, 1, 2, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
+        case 4: panel_tile<P, 2, 1, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
 #if defined(__AVX512F__)
-        case 5: panel_tile<P, 2, 2>(xs, ss, weight, ys, q, K, V); break;
-        case 6: panel_tile<P, 3, 1>(xs, ss, weight, ys, q, K, V); break;
-        case 7: panel_tile<P, 3, 2>(xs, ss, weight, ys, q, K, V); break;
-        case 8: panel_tile<P, 4, 1>(xs, ss, weight, ys, q, K, V); break;
-        default: panel_tile<P, 4, 2>(xs, ss, weight, ys, q, K, V);
+        case 5: panel_tile<P, 2, 2, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
+        case 6: panel_tile<P, 3, 1, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
+        case 7: panel_tile<P, 3, 2, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
+        case 8: panel_tile<P, 4, 1, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
+        default: panel_tile<P, 4, 2, kExpanded>(xs, ss, weight, ys, q, K, V, e);
 #else  // two rows by two panels would not fit the 16 registers: one panel at a time
         case 5:
-          panel_tile<P, 2, 1>(xs, ss, weight, ys, q, K, V);
-          panel_tile<P, 2, 1>(xs, ss, weight, ys, q + 1, K, V);
+          panel_tile<P, 2, 1, kExpanded>(xs, ss, weight, ys, q, K, V, e);
+          panel_tile<P, 2, 1, kExpanded>(xs, ss, weight, ys, q + 1, K, V,
+                                         kExpanded ? e + panel_codes : nullptr);
           break;
 #endif
       }
@@ -437,9 +471,21 @@ void panel_linear(const float* x, const uint8_t* weight, float* out, int rows, i
     // Each thread a contiguous run of panels, as even as whole panels allow.
     const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t first = num_panels * t / n, last = num_panels * (t + 1) / n;
+    // Per thread, reused across calls: a chunk's expanded panels (96-384 KB on SmolLM2's shapes,
+    // in L2). An aligned vector type: std::vector gets it the aligned allocation it needs.
+    thread_local std::vector<vfloat> expanded;
+    if (rows >= kExpandRows)
+      expanded.resize(static_cast<size_t>(kWidePanels) * (in_features / 32) * 2 * P::kSteps);
     for (int64_t p = first; p < last; p += kWidePanels) {
       const int num = static_cast<int>(last - p < kWidePanels ? last - p : kWidePanels);
-      panel_chunk<P>(x, s, weight, out, p, num, rows, in_features, out_features);
+      if (rows >= kExpandRows) {
+        expand_panels<P>(weight, p, num, in_features / 32, expanded.data());
+        panel_chunk<P, true>(x, s, weight, out, p, num, rows, in_features, out_features,
+                             expanded.data());
+      } else {
+        panel_chunk<P, false>(x, s, weight, out, p, num, rows, in_features, out_features,
+                              nullptr);
+      }
     }
   }
 }

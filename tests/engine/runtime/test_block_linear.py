@@ -121,6 +121,19 @@ def test_a_rows_output_is_bit_identical_at_1_3_and_8_rows(library, fmt: str, lay
     assert torch.equal(layer(crowd), torch.cat([layer(crowd[i : i + 1]) for i in range(8)]))
 
 
+@pytest.mark.parametrize("fmt", PANEL_FORMATS)
+def test_many_rows_read_expanded_panels_with_the_same_bits(library, fmt: str) -> None:
+    # From 64 rows a chunk's panels are expanded to fp32 once and read back by every row tile:
+    # 70 rows (17 tiles of 4 and one of 2) of 112 outputs (a tile of 4 panels, a pair, one left)
+    # give each row the bits it gets alone, on the expanding path.
+    weight = random_blocks(fmt, 112, in_features_of(fmt, 5), seed=5)
+    layer = BlockLinear(laid_out(weight, "panels"), None, library)
+    crowd = randn(70, weight.in_features, seed=6)
+    together = layer(crowd)
+    assert torch.equal(together, torch.cat([layer(crowd[i : i + 1]) for i in range(70)]))
+    assert_close_to_reference(together, crowd, weight.dequantize())
+
+
 @pytest.mark.parametrize(
     ("fmt", "layout"), [("Q4_1", "rows"), ("Q6_K", "rows"), ("Q4_1", "panels")]
 )
