@@ -471,7 +471,7 @@ void panel_linear(const float* x, const uint8_t* weight, float* out, int rows, i
     // Each thread a contiguous run of panels, as even as whole panels allow.
     const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t first = num_panels * t / n, last = num_panels * (t + 1) / n;
-    // Per thread, reused across calls: a chunk's expanded panels (96-384 KB on SmolLM2's shapes,
+    // Per thread, reused across calls: a chunk's expanded panels (144-384 KB on SmolLM2's shapes,
     // in L2). An aligned vector type: std::vector gets it the aligned allocation it needs.
     thread_local std::vector<vfloat> expanded;
     if (rows >= kExpandRows)
