@@ -315,15 +315,15 @@ class Scheduler:
         draft come after the plain decodes (their 1 + k tokens are verified like a prefill
         chunk)."""
         drafted: list[tuple[Sequence, list[int]]] = []
-        running = list(self.table.running)
-        may_draft = self.spec.drafts_among(
-            sum(seq.is_decoding and only_tenant in (None, seq.tenant) for seq in running)
-        )
-        for seq in running:
+        decoding = [
+            s for s in self.table.running if s.is_decoding and only_tenant in (None, s.tenant)
+        ]
+        may_draft = self.spec.drafts_among(len(decoding))
+        for seq in decoding:
             if step.budget == 0:
                 break
-            if not seq.is_decoding or only_tenant not in (None, seq.tenant):
-                continue
+            if not seq.is_decoding:
+                continue  # preempted for an older sequence's slots in this step
             draft = self.spec.draft(seq, step.budget - 1) if may_draft else []
             if draft:
                 drafted.append((seq, draft))

@@ -401,12 +401,18 @@ void panel_tile(const float* x, const float* sums, const uint8_t* weight, float*
 
 // Panels [p, p + num) for every row tile: a row tile's pass over these panels finds their blocks in
 // cache from the one before (each weight byte is read from memory once per step).
-template <typename P, bool kExpanded>
+// Row tiles of kPanelTileRows rows with this many panels: the shape the expanded panels serve.
+#if defined(__AVX512F__)
+constexpr int kFullTilePanels = 2;
+#else
+constexpr int kFullTilePanels = 1;  // two rows by two panels would not fit the 16 registers
+#endif
+
+template <typename P>
 void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float* out, int64_t p,
                  int num, int rows, int in_features, int64_t out_features,
                  const vfloat* expanded) {
   const int groups = in_features / 32;
-  const int64_t panel_codes = int64_t{groups} * 2 * P::kSteps;  // one panel's expanded vectors
   for (int r0 = 0; r0 < rows; r0 += kPanelTileRows) {
     const float* xs = x + r0 * int64_t{in_features};
     const float* ss = sums + r0 * int64_t{groups};
@@ -414,28 +420,39 @@ void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float
     const int K = in_features;
     const int64_t V = out_features;
     const int tile_rows = rows - r0 < kPanelTileRows ? rows - r0 : kPanelTileRows;
+    if (expanded != nullptr && tile_rows == kPanelTileRows) {
+      // Full row tiles read the expanded panels; the last few rows expand as they go (the
+      // same floats either way).
+      const int64_t panel_codes = int64_t{groups} * 2 * P::kSteps;  // one panel's vectors
+      for (int64_t q = p; q < p + num; q += kFullTilePanels) {
+        const vfloat* e = expanded + (q - p) * panel_codes;
+        if (q + kFullTilePanels <= p + num)
+          panel_tile<P, kPanelTileRows, kFullTilePanels, true>(xs, ss, weight, ys, q, K, V, e);
+        else
+          panel_tile<P, kPanelTileRows, 1, true>(xs, ss, weight, ys, q, K, V, e);
+      }
+      continue;
+    }
     if (tile_rows == 1 && num == kWidePanels) {
-      panel_tile<P, 1, kWidePanels, kExpanded>(xs, ss, weight, ys, p, K, V, expanded);
+      panel_tile<P, 1, kWidePanels>(xs, ss, weight, ys, p, K, V);
       continue;
     }
     for (int64_t q = p; q < p + num; q += 2) {
       const bool pair = q + 2 <= p + num;
-      const vfloat* e = kExpanded ? expanded + (q - p) * panel_codes : nullptr;
       switch (tile_rows * 2 + pair) {
-        case 2: panel_tile<P, 1, 1, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
-        case 3: panel_tile<P, 1, 2, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
-        case 4: panel_tile<P, 2, 1, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
+        case 2: panel_tile<P, 1, 1>(xs, ss, weight, ys, q, K, V); break;
+        case 3: panel_tile<P, 1, 2>(xs, ss, weight, ys, q, K, V); break;
+        case 4: panel_tile<P, 2, 1>(xs, ss, weight, ys, q, K, V); break;
 #if defined(__AVX512F__)
-        case 5: panel_tile<P, 2, 2, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
-        case 6: panel_tile<P, 3, 1, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
-        case 7: panel_tile<P, 3, 2, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
-        case 8: panel_tile<P, 4, 1, kExpanded>(xs, ss, weight, ys, q, K, V, e); break;
-        default: panel_tile<P, 4, 2, kExpanded>(xs, ss, weight, ys, q, K, V, e);
+        case 5: panel_tile<P, 2, 2>(xs, ss, weight, ys, q, K, V); break;
+        case 6: panel_tile<P, 3, 1>(xs, ss, weight, ys, q, K, V); break;
+        case 7: panel_tile<P, 3, 2>(xs, ss, weight, ys, q, K, V); break;
+        case 8: panel_tile<P, 4, 1>(xs, ss, weight, ys, q, K, V); break;
+        default: panel_tile<P, 4, 2>(xs, ss, weight, ys, q, K, V);
 #else  // two rows by two panels would not fit the 16 registers: one panel at a time
         case 5:
-          panel_tile<P, 2, 1, kExpanded>(xs, ss, weight, ys, q, K, V, e);
-          panel_tile<P, 2, 1, kExpanded>(xs, ss, weight, ys, q + 1, K, V,
-                                         kExpanded ? e + panel_codes : nullptr);
+          panel_tile<P, 2, 1>(xs, ss, weight, ys, q, K, V);
+          panel_tile<P, 2, 1>(xs, ss, weight, ys, q + 1, K, V);
           break;
 #endif
       }
@@ -478,14 +495,10 @@ void panel_linear(const float* x, const uint8_t* weight, float* out, int rows, i
       expanded.resize(static_cast<size_t>(kWidePanels) * (in_features / 32) * 2 * P::kSteps);
     for (int64_t p = first; p < last; p += kWidePanels) {
       const int num = static_cast<int>(last - p < kWidePanels ? last - p : kWidePanels);
-      if (rows >= kExpandRows) {
-        expand_panels<P>(weight, p, num, in_features / 32, expanded.data());
-        panel_chunk<P, true>(x, s, weight, out, p, num, rows, in_features, out_features,
-                             expanded.data());
-      } else {
-        panel_chunk<P, false>(x, s, weight, out, p, num, rows, in_features, out_features,
-                              nullptr);
-      }
+      const bool expand = rows >= kExpandRows;
+      if (expand) expand_panels<P>(weight, p, num, in_features / 32, expanded.data());
+      panel_chunk<P>(x, s, weight, out, p, num, rows, in_features, out_features,
+                     expand ? expanded.data() : nullptr);
     }
   }
 }
