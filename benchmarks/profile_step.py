@@ -6,7 +6,9 @@
 The default model (SmolLM2-135M-Instruct) with config/cpu.yaml's engine settings, in an offline
 LLMEngine: decode steps at 1, 8 and 32 sequences (~240-token prompts) and one 512-token
 prefill chunk. `--repo` names the source tree to profile (default: this one), so the same
-script profiles an older commit's worktree; it uses no engine API newer than that.
+script profiles an older commit's worktree; it uses no engine API newer than that. Drafting
+(speculative_ngram_tokens) is off whatever cpu.yaml says, so a "decode, batch N" step computes
+exactly N rows, one token per sequence: the step the bandwidth fraction is stated for.
 
 Buckets. The script wraps these callables in its own process (timing hooks; nothing in the
 engine changes) and adds each call's wall time to its bucket; calls nested inside a timed call
@@ -521,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     machine = measure_machine(torch)
     config = load_settings(repo / "config" / "cpu.yaml", environ={}).to_engine_config()
     config = dataclasses.replace(config, audit_sample_rate=0.0)
+    if hasattr(config, "speculative_ngram_tokens"):  # a tree that has the setting
+        # No drafts: every decode row is a sequence's next token, so a step's bytes and time
+        # are those of plain decoding at that batch size (cpu.yaml drafts for a lone stream).
+        config = dataclasses.replace(config, speculative_ngram_tokens=0)
     if args.threads is not None:
         config = dataclasses.replace(config, num_threads=args.threads)
     if args.quantization is not None:
