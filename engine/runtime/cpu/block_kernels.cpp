@@ -491,11 +491,11 @@ void panel_linear(const float* x, const uint8_t* weight, float* out, int rows, i
     // Per thread, reused across calls: a chunk's expanded panels (144-384 KB on SmolLM2's shapes,
     // in L2). An aligned vector type: std::vector gets it the aligned allocation it needs.
     thread_local std::vector<vfloat> expanded;
-    if (rows >= kExpandRows)
+    const bool expand = rows >= kExpandRows;
+    if (expand)
       expanded.resize(static_cast<size_t>(kWidePanels) * (in_features / 32) * 2 * P::kSteps);
     for (int64_t p = first; p < last; p += kWidePanels) {
       const int num = static_cast<int>(last - p < kWidePanels ? last - p : kWidePanels);
-      const bool expand = rows >= kExpandRows;
       if (expand) expand_panels<P>(weight, p, num, in_features / 32, expanded.data());
       panel_chunk<P>(x, s, weight, out, p, num, rows, in_features, out_features,
                      expand ? expanded.data() : nullptr);
