@@ -261,6 +261,13 @@ struct Codes {
 // high nibble (weight j + 16), as GGUF's byte j does.
 struct NibblePanel {
   static constexpr int kSteps = 16;
+  // A lone row computes one panel at a time, so each thread reads its panels as one stream,
+  // front to back; the tile's two chains then wait on the FMA latency, but the stream matters
+  // more. On the model's Q4_1 layers from memory (2 threads, AVX-512 Xeon) that beat 4 panels
+  // side by side: the 30 layers' native step 6.9-8.0 against 7.5-8.6 ms, alternating in one
+  // process (benchmarks/ab_native_step.py; benchmarks/README.md, ninth round). Q8_0, which
+  // expands fewer operations per byte, reads faster 4 panels at a time (kWidePanels).
+  static constexpr bool kLoneRowPanelAtATime = true;
   static int lo_k(int j) { return j; }
   static int hi_k(int j) { return j + 16; }
   static Codes codes(const uint8_t* rows, int j) {
@@ -301,6 +308,7 @@ struct PanelQ4_1 : NibblePanel {
 // chains are the even and odd weights.
 struct PanelQ8_0 {
   static constexpr int kBytes = 34 * kPanel, kCodes = 2 * kPanel, kSteps = 16;
+  static constexpr bool kLoneRowPanelAtATime = false;
   static constexpr bool kHasMin = false;
   static int lo_k(int j) { return 2 * j; }
   static int hi_k(int j) { return 2 * j + 1; }
@@ -312,9 +320,9 @@ struct PanelQ8_0 {
   }
 };
 
-// Panels per tile: enough independent accumulator chains to hide the FMA latency at one row,
-// few enough that 3 x kRows x kTilePanels accumulators stay in registers (32 with AVX-512, 16
-// half-width ones below it).
+// Panels per tile: enough independent accumulator chains to hide the FMA latency (a lone row of
+// Q8_0, and the multi-row tiles), few enough that 3 x kRows x kTilePanels accumulators stay in
+// registers (32 with AVX-512, 16 half-width ones below it).
 #if defined(__AVX512F__)
 constexpr int kWidePanels = 4, kPanelTileRows = 4;
 #else
@@ -431,6 +439,10 @@ void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float
         else
           panel_tile<P, kPanelTileRows, 1, true>(xs, ss, weight, ys, q, K, V, e);
       }
+      continue;
+    }
+    if (tile_rows == 1 && P::kLoneRowPanelAtATime) {
+      for (int64_t q = p; q < p + num; ++q) panel_tile<P, 1, 1>(xs, ss, weight, ys, q, K, V);
       continue;
     }
     if (tile_rows == 1 && num == kWidePanels) {

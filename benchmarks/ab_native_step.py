@@ -1,0 +1,202 @@
+"""In-process A/B of the native CPU kernels: two builds, one engine, alternate steps.
+
+    python benchmarks/ab_native_step.py --base DIR [--batches 1 8] [--steps 600]
+
+On a shared host two runs of the same code differ by more than most kernel changes do (the
+batch-1 step has moved between 8.4 and 12.6 ms from one run to the next, benchmarks/README.md).
+This script takes that drift out. One engine (this tree's Python, config/cpu.yaml, drafting
+off, ~240-token prompts) decodes; its native layer stack (kvshare_decode_layers) and its LM
+head (kvshare_block_linear) are called, step by step in turn, from the kernel library built from
+this tree's engine/runtime/cpu and from the one built from DIR's (a worktree of another commit),
+with the same compiler and flags (engine/runtime/cpu/native.py). It prints, per library, the
+median step, layer stack and head; and the weight bytes a step reads over its median step,
+against the read bandwidth measured in the same process before and after.
+
+Both builds must compute the same bits (as layout, tiling and scheduling changes do: the kernel
+tests hold them to it), since the KV cache is written by whichever ran the step. The script
+checks it first: one decode step and one head call run with both libraries on the same inputs,
+and their outputs must be equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE))
+
+PROMPT_TOKENS = 240
+
+
+def build(tree: Path, target: Path, isa: str) -> ctypes.CDLL:
+    """The kernel library of `tree`'s engine/runtime/cpu sources, as native.py builds its own."""
+    from engine.runtime.cpu import native
+
+    sources = [str(tree / "engine/runtime/cpu" / source.name) for source in native.SOURCES]
+    compiler = native._find_compiler()
+    if compiler is None:
+        raise SystemExit("needs a C++ compiler (g++)")
+    command = [compiler, *native.compile_flags(isa), "-shared", "-fPIC", *sources, "-o", target]
+    subprocess.run([str(part) for part in command], check=True)
+    library = ctypes.CDLL(str(target))
+    native._declare(library)
+    return library
+
+
+def read_gbs(torch) -> float:
+    """profile_step.py's read bandwidth: the best of 5 sums of a 512 MiB tensor."""
+    big = torch.ones(128 * 1024 * 1024)
+    big.sum()
+    best = min(_seconds(big.sum) for _ in range(5))
+    return big.numel() * 4 / best / 1e9
+
+
+def _seconds(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+class Alternation:
+    """Points the engine's native step and LM head at one library or the other, and times them."""
+
+    def __init__(self, model, libraries: dict[str, ctypes.CDLL]) -> None:
+        self.step, self.head = model.native_decode, model.lm_head
+        if self.step is None or not hasattr(self.head, "_run"):
+            raise SystemExit("needs quantization native (a native decode step and a block head)")
+        self.libraries = libraries
+        self.times = {name: {"step": [], "layers": [], "head": []} for name in libraries}
+        self.current = next(iter(libraries))
+
+    def use(self, name: str) -> None:
+        self.current = name
+        library = self.libraries[name]
+        self.step._run = self._timed(library.kvshare_decode_layers, "layers")
+        self.head._run = self._timed(library.kvshare_block_linear, "head")
+
+    def _timed(self, fn, bucket: str):
+        def timed(*args):
+            started = time.perf_counter()
+            status = fn(*args)
+            self.times[self.current][bucket].append(time.perf_counter() - started)
+            return status
+
+        return timed
+
+    def check_same_bits(self, engine) -> None:
+        """One decode step's layers and head through each library on the same inputs."""
+        import torch
+
+        step, head, outputs = self.step, self.head, {}
+        run, forward = step.run, head.forward
+
+        def both_layers(hidden, *args):
+            start = hidden.clone()
+            for name in self.libraries:
+                hidden.copy_(start)
+                self.use(name)
+                outputs[("layers", name)] = run(hidden, *args).clone()
+            return outputs[("layers", name)]
+
+        def both_heads(x):
+            for name in self.libraries:
+                self.use(name)
+                outputs[("head", name)] = forward(x)
+            return outputs[("head", name)]
+
+        step.run, head.forward = both_layers, both_heads
+        try:
+            engine.step()
+        finally:
+            del step.run, head.forward
+        for part in ("layers", "head"):
+            first, *others = [outputs[(part, name)] for name in self.libraries]
+            if not all(torch.equal(first, other) for other in others):
+                raise SystemExit(f"the two builds' {part} differ: this A/B needs the same bits")
+
+
+def run_batch(engine, alternation: Alternation, batch: int, steps: int, rng) -> None:
+    from engine.core.protocol import EngineRequest
+    from engine.core.sampling_params import SamplingParams
+
+    ids = [f"ab-{batch}-{i}-{rng.randrange(10**9)}" for i in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    for request_id in ids:
+        prompt = [rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)]
+        engine.add_request(EngineRequest(request_id, prompt, params))
+    while not (engine.step_samples and engine.step_samples[-1].num_seqs == batch):
+        engine.step()
+    alternation.check_same_bits(engine)
+    for times in alternation.times.values():
+        for samples in times.values():
+            samples.clear()
+    names = list(alternation.libraries)
+    for k in range(steps):
+        alternation.use(names[k % len(names)])
+        alternation.times[alternation.current]["step"].append(_seconds(engine.step))
+    for request_id in ids:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", type=Path, required=True, help="the other tree (a worktree)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1])
+    parser.add_argument("--steps", type=int, default=600, help="decode steps per batch size")
+    parser.add_argument("--isa", default="native", help="the kernels' build level")
+    args = parser.parse_args(argv)
+
+    import torch
+    from profile_step import weight_bytes
+
+    from app.settings import load_settings
+    from engine.llm_engine import LLMEngine
+
+    config = load_settings(REPO / "config" / "cpu.yaml", environ={}).to_engine_config()
+    config = dataclasses.replace(config, audit_sample_rate=0.0, speculative_ngram_tokens=0)
+    engine = LLMEngine(config)
+    with tempfile.TemporaryDirectory() as scratch:
+        libraries = {
+            "this tree": build(REPO, Path(scratch) / "this.so", args.isa),
+            f"base ({args.base})": build(args.base.resolve(), Path(scratch) / "base.so", args.isa),
+        }
+        alternation = Alternation(engine.runner.model, libraries)
+        weights = weight_bytes(engine.runner.model)
+        step_mb = (weights["layers"] + weights["head"]) / 1e6
+        bandwidth = [read_gbs(torch)]
+        rng = random.Random(0)
+        results = []
+        for batch in args.batches:
+            run_batch(engine, alternation, batch, args.steps, rng)
+            for name, times in alternation.times.items():
+                medians = {part: 1000 * statistics.median(v) for part, v in times.items()}
+                results.append((batch, name, medians, len(times["step"])))
+        bandwidth.append(read_gbs(torch))
+    read = statistics.mean(bandwidth)
+    print(f"read bandwidth {bandwidth[0]:.1f} GB/s before, {bandwidth[1]:.1f} after")
+    print("| batch | kernels | steps | step ms | layers ms | head ms | weights GB/s (of read) |")
+    print("|---|---|---|---|---|---|---|")
+    for batch, name, medians, count in results:
+        gbs = step_mb / medians["step"]
+        print(
+            f"| {batch} | {name} | {count} | {medians['step']:.2f} | {medians['layers']:.2f} "
+            f"| {medians['head']:.2f} | {gbs:.1f} ({gbs / read:.0%}) |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
