@@ -135,7 +135,7 @@ def run_batch(engine, alternation: Alternation, batch: int, steps: int, rng) -> 
     for request_id in ids:
         prompt = [rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)]
         engine.add_request(EngineRequest(request_id, prompt, params))
-    while not (engine.step_samples and engine.step_samples[-1].num_seqs == batch):
+    while not _decodes_only(engine, batch):  # every prompt prefilled: one token a sequence
         engine.step()
     alternation.check_same_bits(engine)
     for times in alternation.times.values():
@@ -149,6 +149,11 @@ def run_batch(engine, alternation: Alternation, batch: int, steps: int, rng) -> 
         engine.abort_request(request_id)
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def _decodes_only(engine, batch: int) -> bool:
+    samples = engine.step_samples
+    return bool(samples) and samples[-1].num_seqs == batch == samples[-1].num_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
