@@ -25,11 +25,12 @@ import ctypes
 import dataclasses
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from profile_step import _is_decode_only
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -43,23 +44,14 @@ def build(tree: Path, target: Path, isa: str) -> ctypes.CDLL:
     """The kernel library of `tree`'s engine/runtime/cpu sources, as native.py builds its own."""
     from engine.runtime.cpu import native
 
-    sources = [str(tree / "engine/runtime/cpu" / source.name) for source in native.SOURCES]
     compiler = native._find_compiler()
     if compiler is None:
         raise SystemExit("needs a C++ compiler (g++)")
-    command = [compiler, *native.compile_flags(isa), "-shared", "-fPIC", *sources, "-o", target]
-    subprocess.run([str(part) for part in command], check=True)
+    sources = tuple(tree / "engine/runtime/cpu" / source.name for source in native.SOURCES)
+    native._compile(compiler, isa, target, sources)
     library = ctypes.CDLL(str(target))
     native._declare(library)
     return library
-
-
-def read_gbs(torch) -> float:
-    """profile_step.py's read bandwidth: the best of 5 sums of a 512 MiB tensor."""
-    big = torch.ones(128 * 1024 * 1024)
-    big.sum()
-    best = min(_seconds(big.sum) for _ in range(5))
-    return big.numel() * 4 / best / 1e9
 
 
 def _seconds(fn) -> float:
@@ -135,7 +127,7 @@ def run_batch(engine, alternation: Alternation, batch: int, steps: int, rng) -> 
     for request_id in ids:
         prompt = [rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)]
         engine.add_request(EngineRequest(request_id, prompt, params))
-    while not _decodes_only(engine, batch):  # every prompt prefilled: one token a sequence
+    while not _is_decode_only(engine, batch):  # every prompt prefilled: one token a sequence
         engine.step()
     alternation.check_same_bits(engine)
     for times in alternation.times.values():
@@ -151,11 +143,6 @@ def run_batch(engine, alternation: Alternation, batch: int, steps: int, rng) -> 
         engine.step()
 
 
-def _decodes_only(engine, batch: int) -> bool:
-    samples = engine.step_samples
-    return bool(samples) and samples[-1].num_seqs == batch == samples[-1].num_tokens
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", type=Path, required=True, help="the other tree (a worktree)")
@@ -165,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from profile_step import weight_bytes
+    from profile_step import read_bandwidth_gbs, weight_bytes
 
     from app.settings import load_settings
     from engine.llm_engine import LLMEngine
@@ -181,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         alternation = Alternation(engine.runner.model, libraries)
         weights = weight_bytes(engine.runner.model)
         step_mb = (weights["layers"] + weights["head"]) / 1e6
-        bandwidth = [read_gbs(torch)]
+        bandwidth = [read_bandwidth_gbs(torch)]
         rng = random.Random(0)
         results = []
         for batch in args.batches:
@@ -189,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, times in alternation.times.items():
                 medians = {part: 1000 * statistics.median(v) for part, v in times.items()}
                 results.append((batch, name, medians, len(times["step"])))
-        bandwidth.append(read_gbs(torch))
+        bandwidth.append(read_bandwidth_gbs(torch))
     read = statistics.mean(bandwidth)
     print(f"read bandwidth {bandwidth[0]:.1f} GB/s before, {bandwidth[1]:.1f} after")
     print("| batch | kernels | steps | step ms | layers ms | head ms | weights GB/s (of read) |")

@@ -177,12 +177,18 @@ def _best_seconds(fn, repeats: int = 5) -> float:
     return best
 
 
+def read_bandwidth_gbs(torch, big=None) -> float:
+    """GB/s of the best of 5 sums of `big` (default: 512 MiB of fp32, far past every cache)."""
+    big = torch.ones(128 * 1024 * 1024) if big is None else big
+    return big.numel() * big.element_size() / _best_seconds(big.sum) / 1e9
+
+
 def measure_machine(torch) -> dict:
     """Read bandwidth (GB/s) and GEMM rates (GFLOP/s, fp32) at SmolLM2's gate/up shape."""
     import torch.nn.functional as F
 
-    big = torch.ones(128 * 1024 * 1024)  # 512 MiB: far past every cache
-    read_gbs = big.numel() * 4 / _best_seconds(big.sum) / 1e9
+    big = torch.ones(128 * 1024 * 1024)
+    read_gbs = read_bandwidth_gbs(torch, big)
     target = torch.empty_like(big)
     copy_gbs = 2 * big.numel() * 4 / _best_seconds(lambda: target.copy_(big)) / 1e9
     weight = torch.randn(3072, 576)

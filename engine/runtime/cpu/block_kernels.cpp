@@ -256,18 +256,27 @@ struct Codes {
   vfloat lo, hi;
 };
 
+// Panels per tile: enough independent accumulator chains to hide the FMA latency (a lone row of
+// Q8_0, and the multi-row tiles), few enough that 3 x kRows x kTilePanels accumulators stay in
+// registers (32 with AVX-512, 16 half-width ones below it).
+#if defined(__AVX512F__)
+constexpr int kWidePanels = 4, kPanelTileRows = 4;
+#else
+constexpr int kWidePanels = 2, kPanelTileRows = 2;
+#endif
+
 
 // 4-bit panels: code row j holds, per column, the low nibble (weight j of the group) and the
 // high nibble (weight j + 16), as GGUF's byte j does.
 struct NibblePanel {
   static constexpr int kSteps = 16;
-  // A lone row computes one panel at a time, so each thread reads its panels as one stream,
-  // front to back; the tile's two chains then wait on the FMA latency, but the stream matters
-  // more. On the model's Q4_1 layers from memory (2 threads, AVX-512 Xeon) that beat 4 panels
-  // side by side: the 30 layers' native step 6.9-8.0 against 7.5-8.6 ms, alternating in one
-  // process (benchmarks/ab_native_step.py; benchmarks/README.md, ninth round). Q8_0, which
-  // expands fewer operations per byte, reads faster 4 panels at a time (kWidePanels).
-  static constexpr bool kLoneRowPanelAtATime = true;
+  // Panels a lone row's tile computes side by side. One: each thread reads its panels as one
+  // stream, front to back; the tile's two chains then wait on the FMA latency, but the stream
+  // matters more. On the model's Q4_1 layers from memory (2 threads, AVX-512 Xeon) that beat 4
+  // panels side by side: the 30 layers' native step 6.9-8.0 against 7.5-8.6 ms, alternating in
+  // one process (benchmarks/ab_native_step.py; benchmarks/README.md, ninth round). Q8_0, which
+  // expands fewer operations per byte, reads faster kWidePanels at a time.
+  static constexpr int kLoneRowPanels = 1;
   static int lo_k(int j) { return j; }
   static int hi_k(int j) { return j + 16; }
   static Codes codes(const uint8_t* rows, int j) {
@@ -308,7 +317,7 @@ struct PanelQ4_1 : NibblePanel {
 // chains are the even and odd weights.
 struct PanelQ8_0 {
   static constexpr int kBytes = 34 * kPanel, kCodes = 2 * kPanel, kSteps = 16;
-  static constexpr bool kLoneRowPanelAtATime = false;
+  static constexpr int kLoneRowPanels = kWidePanels;
   static constexpr bool kHasMin = false;
   static int lo_k(int j) { return 2 * j; }
   static int hi_k(int j) { return 2 * j + 1; }
@@ -319,15 +328,6 @@ struct PanelQ8_0 {
     return {widen(p), widen(p + kPanel)};
   }
 };
-
-// Panels per tile: enough independent accumulator chains to hide the FMA latency (a lone row of
-// Q8_0, and the multi-row tiles), few enough that 3 x kRows x kTilePanels accumulators stay in
-// registers (32 with AVX-512, 16 half-width ones below it).
-#if defined(__AVX512F__)
-constexpr int kWidePanels = 4, kPanelTileRows = 4;
-#else
-constexpr int kWidePanels = 2, kPanelTileRows = 2;
-#endif
 
 // Many rows: a chunk's panels are expanded to fp32 once (expand_panels) and every row tile reads
 // them back from that buffer, so the FMAs no longer share their ports with the expansion. The
@@ -441,12 +441,9 @@ void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float
       }
       continue;
     }
-    if (tile_rows == 1 && P::kLoneRowPanelAtATime) {
-      for (int64_t q = p; q < p + num; ++q) panel_tile<P, 1, 1>(xs, ss, weight, ys, q, K, V);
-      continue;
-    }
-    if (tile_rows == 1 && num == kWidePanels) {
-      panel_tile<P, 1, kWidePanels>(xs, ss, weight, ys, p, K, V);
+    if (tile_rows == 1 && num % P::kLoneRowPanels == 0) {
+      for (int64_t q = p; q < p + num; q += P::kLoneRowPanels)
+        panel_tile<P, 1, P::kLoneRowPanels>(xs, ss, weight, ys, q, K, V);
       continue;
     }
     for (int64_t q = p; q < p + num; q += 2) {

@@ -194,17 +194,18 @@ def _sources_digest():
     return digest
 
 
-def _compile(compiler: str, isa: str, target: Path) -> None:
+def _compile(compiler: str, isa: str, target: Path, sources: tuple[Path, ...] = SOURCES) -> None:
+    """`sources` (default: this tree's) built for `isa` into target."""
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build aside and rename: concurrent starts never load a half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        sources = [str(source) for source in SOURCES]
-        command = [compiler, *compile_flags(isa), "-shared", "-fPIC", *sources, "-o", str(built)]
+        paths = [str(source) for source in sources]
+        command = [compiler, *compile_flags(isa), "-shared", "-fPIC", *paths, "-o", str(built)]
         logger.info("building the native CPU kernels: %s", " ".join(command))
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            names = " ".join(source.name for source in SOURCES)
+            names = " ".join(source.name for source in sources)
             raise NativeBuildError(f"compiling {names} failed:\n{result.stderr[-2000:]}")
         built.replace(target)
 
