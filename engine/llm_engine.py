@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.audit.auditor import Auditor
@@ -322,8 +322,7 @@ class LLMEngine:
 
     def _snapshot(self, step: StepSample | None) -> EngineStats:
         audits = self.auditor.counters
-        return replace(
-            self.scheduler.stats(),
+        return self.scheduler.stats(
             bytes_per_block=self.runner.bytes_per_block,
             num_audits=audits.num_audits,
             num_audit_corruptions=audits.num_corruptions,

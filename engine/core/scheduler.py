@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any
 
 from engine.core.admission import AdmissionPolicy
 from engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
@@ -156,18 +157,20 @@ class Scheduler:
         hits, self._cache_hits = self._cache_hits, []
         return hits
 
-    def stats(self) -> EngineStats:
+    def stats(self, **fields: Any) -> EngineStats:
         """Queue sizes, block usage, the leak count and counters: O(1) or O(live sequences),
         never a walk of the pool or the tree. Engine thread only (reads live state); fields
-        the scheduler does not own (bytes_per_block, audits, the step) stay default."""
-        stats = engine_stats(
+        the scheduler does not own (bytes_per_block, audits, the step) are `fields`, or
+        default. One construction: the engine builds a snapshot every step."""
+        return engine_stats(
             self.counters,
             self.kv_cache_manager,
             self.num_running,
             self.num_waiting,
             self.num_leaked_blocks(),
+            fair_share_counter_spread=self.fair_share.spread(),
+            **fields,
         )
-        return replace(stats, fair_share_counter_spread=self.fair_share.spread())
 
     # -- requests in and out -------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:

@@ -7,6 +7,7 @@ and the KV facade's O(1) figures, so building it never walks the pool or the tre
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from engine.core.protocol import EngineStats
 from engine.kv.kv_cache_manager import KVCacheManager
@@ -33,8 +34,10 @@ def engine_stats(
     num_running: int,
     num_waiting: int,
     num_leaked_blocks: int,
+    **fields: Any,
 ) -> EngineStats:
-    """The scheduler's share of EngineStats; fields it does not own stay default."""
+    """The scheduler's share of EngineStats, with `fields` (those it does not own) set in the
+    same construction; the rest stay default."""
     usage = kv.usage
     return EngineStats(
         num_running=num_running,
@@ -61,4 +64,5 @@ def engine_stats(
         num_spec_draft_tokens=counters.num_spec_draft_tokens,
         num_spec_accepted_tokens=counters.num_spec_accepted_tokens,
         num_leaked_blocks=num_leaked_blocks,
+        **fields,
     )

@@ -79,6 +79,20 @@ class _Draw:
         return self.spec.sampling_params
 
 
+def _changes_logits(draw: _Draw) -> bool:
+    """Whether a stage of Sampler._process writes this draw's row (the module docstring's
+    order: grammar mask, logit_bias, min_tokens, repetition, presence/frequency)."""
+    params = draw.params
+    return (
+        draw.grammar_key is not None
+        or bool(params.logit_bias)
+        or draw.spec.output_index < params.min_tokens
+        or params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+    )
+
+
 class Sampler:
     """Stateless between calls but for the grammar matchers; `eos_token_ids` are what
     min_tokens keeps from being drawn. `grammars` masks the draws whose spec has
@@ -104,16 +118,16 @@ class Sampler:
         if not draws:
             return [[] for _ in specs]
         raw = self._expand(logits, draws)  # [N, V]
-        processed = self._process(raw.clone(), draws)
+        processed = self._process(raw, draws)
         token_ids = self._choose(processed, draws)  # [N]
         packed = self._pack(raw, token_ids, draws)
         return self._unpack(packed.tolist(), specs, draws)
 
     def processed_logits(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
         """The logits after grammar masks, bias, min_tokens and penalties: [N, V], one row
-        per seed."""
+        per seed (`logits` itself when no stage applies; never written)."""
         draws = self._draws(specs)
-        return self._process(self._expand(logits, draws).clone(), draws)
+        return self._process(self._expand(logits, draws), draws)
 
     @staticmethod
     def _draws(specs: Sequence[SampleSpec]) -> list[_Draw]:
@@ -132,7 +146,12 @@ class Sampler:
             raw = raw.index_select(0, self._tensor(rows, raw.device))
         return raw
 
-    def _process(self, logits: torch.Tensor, draws: list[_Draw]) -> torch.Tensor:
+    def _process(self, raw: torch.Tensor, draws: list[_Draw]) -> torch.Tensor:
+        """raw after the stages that change logits, in a copy; raw itself when none applies
+        (no copy of [N, V] for plain greedy or temperature rows)."""
+        if not any(_changes_logits(d) for d in draws):
+            return raw
+        logits = raw.clone()
         self._apply_grammar_masks(logits, draws)
         self._apply_logit_bias(logits, draws)
         self._apply_min_tokens(logits, draws)

@@ -171,6 +171,33 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     assert tokens(sampler(logits, [ignoring_eos])) == [2]
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"logit_bias": {3: 20.0}},
+        {"min_tokens": 2, "stop_token_ids": (3,)},
+        {"repetition_penalty": 1.5},
+        {"presence_penalty": 1.0},
+        {"frequency_penalty": 0.5},
+        {},  # nothing applies: the logits go through as they are
+    ],
+)
+def test_the_callers_logits_are_never_written(params):
+    """Each stage that changes logits works on a copy; the model's own logits (and the
+    logprobs computed from them) stay as they were, with a plain row in the same batch."""
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(9))
+    before = logits.clone()
+    specs = [spec(temperature=0.0, output=[3, 5], logprobs=2, **params), spec(seed=4)]
+    first = Sampler([EOS])(logits, specs)[0][0]
+    assert torch.equal(logits, before)
+    expected = torch.log_softmax(before[0], dim=-1)
+    assert math.isclose(first.logprob, expected[first.token_id].item(), rel_tol=1e-6)
+    processed = Sampler([EOS]).processed_logits(logits, specs)
+    assert torch.equal(logits, before)
+    assert torch.equal(processed[1], before[1])  # the plain row: unchanged
+    assert torch.equal(processed[0], before[0]) == (params == {})
+
+
 def test_logprobs_are_log_softmax_of_the_raw_logits():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(4))
     specs = [spec(seed=1, logprobs=3, logit_bias={0: 50.0}), spec(temperature=0.0, logprobs=0)]
