@@ -68,8 +68,9 @@ class Alternation:
         if self.step is None or not hasattr(self.head, "_run"):
             raise SystemExit("needs quantization native (a native decode step and a block head)")
         self.libraries = libraries
+        self.names = list(libraries)
         self.times = {name: {"step": [], "layers": [], "head": []} for name in libraries}
-        self.current = next(iter(libraries))
+        self.current = self.names[0]
 
     def use(self, name: str) -> None:
         self.current = name
@@ -118,7 +119,10 @@ class Alternation:
                 raise SystemExit(f"the two builds' {part} differ: this A/B needs the same bits")
 
 
-def run_batch(engine, alternation: Alternation, batch: int, steps: int, rng) -> None:
+def run_batch(engine, alternation, batch: int, steps: int, rng) -> None:
+    """`batch` fresh ~240-token prompts decoded `steps` steps, alternation.use() switching
+    between its names step by step (alternation: an Alternation, or anything with its names,
+    use(), current, times[name]["step"] and check_same_bits())."""
     from engine.core.protocol import EngineRequest
     from engine.core.sampling_params import SamplingParams
 
@@ -133,7 +137,7 @@ def run_batch(engine, alternation: Alternation, batch: int, steps: int, rng) -> 
     for times in alternation.times.values():
         for samples in times.values():
             samples.clear()
-    names = list(alternation.libraries)
+    names = alternation.names
     for k in range(steps):
         alternation.use(names[k % len(names)])
         alternation.times[alternation.current]["step"].append(_seconds(engine.step))

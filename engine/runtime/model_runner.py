@@ -23,7 +23,7 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.spec_ngram import verify_specs
 from engine.runtime.attention.base import AttentionMetadata
 from engine.runtime.attention.select import get_attention_backend
-from engine.runtime.cpu.allocator import keep_temporaries_on_heap
+from engine.runtime.cpu.allocator import keep_temporaries_on_heap, zeros_on_huge_pages
 from engine.runtime.cpu.decode_step import NativeDecodeStep
 from engine.runtime.cpu.fused import CpuFusedOps
 from engine.runtime.cpu.linear import can_pack
@@ -406,6 +406,12 @@ class ModelRunner:
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         spec = LlamaSpec.from_hf_config(self.hf_config)
         shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        if self.device.type == "cpu":  # one slab on huge pages, each layer's K and V a slice
+            per_cache = num_blocks * self.block_size * spec.num_kv_heads * spec.head_dim
+            num_bytes = 2 * spec.num_layers * per_cache * self.kv_dtype.itemsize
+            slab = zeros_on_huge_pages(num_bytes).view(self.kv_dtype)
+            slab = slab.view(2 * spec.num_layers, *shape)
+            return [(slab[2 * i], slab[2 * i + 1]) for i in range(spec.num_layers)]
         return [
             (
                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device),

@@ -18,6 +18,8 @@ import gc
 import logging
 import sys
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 # mallopt parameters (malloc.h) and glibc's largest accepted mmap threshold on 64-bit.
@@ -27,6 +29,9 @@ _MAX_MMAP_THRESHOLD = 32 * 1024 * 1024
 _TRIM_THRESHOLD = 512 * 1024 * 1024
 
 _applied = False
+
+_MADV_HUGEPAGE = 14  # Linux madvise advice (asm-generic/mman-common.h)
+HUGE_PAGE_BYTES = 2 * 1024 * 1024
 
 
 def keep_temporaries_on_heap() -> bool:
@@ -62,3 +67,28 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
+
+
+def zeros_on_huge_pages(num_bytes: int) -> torch.Tensor:
+    """A zeroed uint8 buffer of num_bytes starting on a 2 MiB boundary, its whole 2 MiB pages
+    offered to the kernel as transparent huge pages (madvise MADV_HUGEPAGE) before the first
+    touch. For the KV pool: a decode row reads its blocks wherever the pool placed them, and
+    once the prefix cache has churned they lie scattered over the gigabyte, so with 4 KiB pages
+    nearly every block is a TLB miss. Best effort: where the kernel declines (THP "never", not
+    Linux) the pages stay small and nothing else changes."""
+    buffer = torch.empty(num_bytes + HUGE_PAGE_BYTES, dtype=torch.uint8)  # not touched yet
+    offset = -buffer.data_ptr() % HUGE_PAGE_BYTES
+    slab = buffer[offset : offset + num_bytes]
+    whole = num_bytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if whole and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            madvise = libc.madvise
+        except (OSError, AttributeError):
+            madvise = None
+        if madvise is not None:
+            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            madvise.restype = ctypes.c_int
+            if madvise(slab.data_ptr(), whole, _MADV_HUGEPAGE) != 0:
+                logger.debug("madvise(MADV_HUGEPAGE) declined: errno %d", ctypes.get_errno())
+    return slab.zero_()
