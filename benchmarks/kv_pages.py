@@ -44,10 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
     library = native.load_library(EngineConfig().cache_root() / "kernels")
     shape = (POOL_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
-    num_bytes = 2 * LAYERS * POOL_BLOCKS * BLOCK * KV_HEADS * HEAD_DIM * 2
     pools = {
         "4 KiB pages": torch.zeros(2 * LAYERS, *shape, dtype=torch.float16),
-        "huge pages": zeros_on_huge_pages(num_bytes).view(torch.float16).view(2 * LAYERS, *shape),
+        "huge pages": zeros_on_huge_pages((2 * LAYERS, *shape), torch.float16),
     }
     for pool in pools.values():
         pool.normal_()

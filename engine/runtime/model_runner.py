@@ -407,10 +407,7 @@ class ModelRunner:
         spec = LlamaSpec.from_hf_config(self.hf_config)
         shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         if self.device.type == "cpu":  # one slab on huge pages, each layer's K and V a slice
-            per_cache = num_blocks * self.block_size * spec.num_kv_heads * spec.head_dim
-            num_bytes = 2 * spec.num_layers * per_cache * self.kv_dtype.itemsize
-            slab = zeros_on_huge_pages(num_bytes).view(self.kv_dtype)
-            slab = slab.view(2 * spec.num_layers, *shape)
+            slab = zeros_on_huge_pages((2 * spec.num_layers, *shape), self.kv_dtype)
             return [(slab[2 * i], slab[2 * i + 1]) for i in range(spec.num_layers)]
         return [
             (

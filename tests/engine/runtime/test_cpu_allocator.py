@@ -81,7 +81,7 @@ def test_zeros_on_huge_pages_are_zeros_on_a_2mib_boundary(num_bytes: int) -> Non
 
     from engine.runtime.cpu.allocator import HUGE_PAGE_BYTES, zeros_on_huge_pages
 
-    slab = zeros_on_huge_pages(num_bytes)
+    slab = zeros_on_huge_pages((num_bytes,), torch.uint8)
     assert slab.dtype == torch.uint8 and slab.shape == (num_bytes,) and slab.is_contiguous()
     assert slab.data_ptr() % HUGE_PAGE_BYTES == 0
     assert not slab.any()
@@ -95,9 +95,11 @@ def test_the_kv_slab_is_offered_as_huge_pages() -> None:
         pytest.skip("no transparent huge pages here")
     if "[never]" in setting.read_text():
         pytest.skip("transparent huge pages are off on this machine")
+    import torch
+
     from engine.runtime.cpu.allocator import zeros_on_huge_pages
 
-    slab = zeros_on_huge_pages(40 * 1024 * 1024)
+    slab = zeros_on_huge_pages((40 * 1024 * 1024,), torch.uint8)
     mapping = _mapping_of(slab.data_ptr())
     if "THPeligible" not in mapping:
         pytest.skip("this kernel's smaps has no THPeligible field")
