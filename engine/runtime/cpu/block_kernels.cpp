@@ -256,9 +256,16 @@ struct Codes {
   vfloat lo, hi;
 };
 
-// Panels per tile: enough independent accumulator chains to hide the FMA latency (a lone row of
-// Q8_0, and the multi-row tiles), few enough that 3 x kRows x kTilePanels accumulators stay in
-// registers (32 with AVX-512, 16 half-width ones below it).
+// Panels per tile of several rows: enough independent accumulator chains to hide the FMA
+// latency, few enough that 3 x kRows x kTilePanels accumulators stay in registers (32 with
+// AVX-512, 16 half-width ones below it).
+//
+// A lone row computes one panel at a time, every format: each thread then reads its panels as
+// one stream, front to back, and the tile's two chains wait on the FMA latency, but the stream
+// matters more. Against 4 panels side by side: the Q4_1 layers' native step 6.9-8.0 against
+// 7.5-8.6 ms on an AVX-512 Xeon (benchmarks/README.md, ninth round), the Q8_0 LM head 1.08
+// against 1.79 ms on an AMD EPYC Zen 4 (eleventh round; on the Xeon the head had measured
+// 1.7-2.0 against 1.6-1.9 ms), alternating in one process (benchmarks/ab_native_step.py).
 #if defined(__AVX512F__)
 constexpr int kWidePanels = 4, kPanelTileRows = 4;
 #else
@@ -270,13 +277,6 @@ constexpr int kWidePanels = 2, kPanelTileRows = 2;
 // high nibble (weight j + 16), as GGUF's byte j does.
 struct NibblePanel {
   static constexpr int kSteps = 16;
-  // Panels a lone row's tile computes side by side. One: each thread reads its panels as one
-  // stream, front to back; the tile's two chains then wait on the FMA latency, but the stream
-  // matters more. On the model's Q4_1 layers from memory (2 threads, AVX-512 Xeon) that beat 4
-  // panels side by side: the 30 layers' native step 6.9-8.0 against 7.5-8.6 ms, alternating in
-  // one process (benchmarks/ab_native_step.py; benchmarks/README.md, ninth round). Q8_0, which
-  // expands fewer operations per byte, reads faster kWidePanels at a time.
-  static constexpr int kLoneRowPanels = 1;
   static int lo_k(int j) { return j; }
   static int hi_k(int j) { return j + 16; }
   static Codes codes(const uint8_t* rows, int j) {
@@ -317,7 +317,6 @@ struct PanelQ4_1 : NibblePanel {
 // chains are the even and odd weights.
 struct PanelQ8_0 {
   static constexpr int kBytes = 34 * kPanel, kCodes = 2 * kPanel, kSteps = 16;
-  static constexpr int kLoneRowPanels = kWidePanels;
   static constexpr bool kHasMin = false;
   static int lo_k(int j) { return 2 * j; }
   static int hi_k(int j) { return 2 * j + 1; }
@@ -441,16 +440,13 @@ void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float
       }
       continue;
     }
-    if (tile_rows == 1 && num % P::kLoneRowPanels == 0) {
-      for (int64_t q = p; q < p + num; q += P::kLoneRowPanels)
-        panel_tile<P, 1, P::kLoneRowPanels>(xs, ss, weight, ys, q, K, V);
+    if (tile_rows == 1) {  // one panel at a time (see kWidePanels)
+      for (int64_t q = p; q < p + num; ++q) panel_tile<P, 1, 1>(xs, ss, weight, ys, q, K, V);
       continue;
     }
     for (int64_t q = p; q < p + num; q += 2) {
       const bool pair = q + 2 <= p + num;
       switch (tile_rows * 2 + pair) {
-        case 2: panel_tile<P, 1, 1>(xs, ss, weight, ys, q, K, V); break;
-        case 3: panel_tile<P, 1, 2>(xs, ss, weight, ys, q, K, V); break;
         case 4: panel_tile<P, 2, 1>(xs, ss, weight, ys, q, K, V); break;
 #if defined(__AVX512F__)
         case 5: panel_tile<P, 2, 2>(xs, ss, weight, ys, q, K, V); break;
