@@ -256,16 +256,17 @@ struct Codes {
   vfloat lo, hi;
 };
 
-// Panels per tile of several rows: enough independent accumulator chains to hide the FMA
-// latency, few enough that 3 x kRows x kTilePanels accumulators stay in registers (32 with
-// AVX-512, 16 half-width ones below it).
-//
-// A lone row computes one panel at a time, every format: each thread then reads its panels as
-// one stream, front to back, and the tile's two chains wait on the FMA latency, but the stream
-// matters more. Against 4 panels side by side: the Q4_1 layers' native step 6.9-8.0 against
-// 7.5-8.6 ms on an AVX-512 Xeon (benchmarks/README.md, ninth round), the Q8_0 LM head 1.08
-// against 1.79 ms on an AMD EPYC Zen 4 (eleventh round; on the Xeon the head had measured
-// 1.7-2.0 against 1.6-1.9 ms), alternating in one process (benchmarks/ab_native_step.py).
+// A tile is one panel by up to kPanelTileRows rows, at every row count: its 3 x kRows chains (the
+// group's two code chains and the running sum per row) and the expansion's temporaries fit the
+// registers (32 with AVX-512, 16 half-width ones below it), and kRows x 2 independent FMA chains
+// hide the FMA latency from 2 rows on. Two panels side by side (4 rows x 2 panels, as before)
+// spilled a third of their accumulators to the stack (GCC 12); one panel at a time is 9-16%
+// faster at 64-512 rows and 23-39% at 8 on an AMD EPYC Zen 4 (benchmarks/README.md, eleventh
+// round). A lone row reads its panels as one stream, front to back: its two chains then wait on
+// the FMA latency, but the stream matters more (the Q4_1 layers 6.9-8.0 against 7.5-8.6 ms with
+// 4 panels side by side on an AVX-512 Xeon, ninth round; the Q8_0 LM head 1.04 against 1.65 ms
+// on the EPYC, eleventh). A row tile's pass over kWidePanels panels finds their blocks in cache
+// from the pass before (each weight byte is read from memory once per step).
 #if defined(__AVX512F__)
 constexpr int kWidePanels = 4, kPanelTileRows = 4;
 #else
@@ -350,76 +351,58 @@ void expand_panels(const uint8_t* weight, int64_t p, int num, int groups, vfloat
     }
 }
 
-// out[r, 16 (p0 + c) + lane] for r < kRows, c < kTilePanels. sums [rows, K / 32]: each row's
-// group sums (read only with a minimum). With kExpanded the codes come from `expanded` (panel
-// p0's first, as expand_panels lays them out) instead of the code bytes.
-template <typename P, int kRows, int kTilePanels, bool kExpanded = false>
-void panel_tile(const float* x, const float* sums, const uint8_t* weight, float* out, int64_t p0,
+// out[r, 16 p + lane] for r < kRows. sums [rows, K / 32]: each row's group sums (read only with a
+// minimum). With kExpanded the codes come from `expanded` (panel p's, as expand_panels lays them
+// out) instead of the code bytes.
+template <typename P, int kRows, bool kExpanded = false>
+void panel_tile(const float* x, const float* sums, const uint8_t* weight, float* out, int64_t p,
                 int in_features, int64_t out_features, const vfloat* expanded = nullptr) {
   const int groups = in_features / 32;
   const int64_t panel_bytes = int64_t{groups} * P::kBytes;
-  vfloat acc[kTilePanels][kRows] = {};
+  vfloat acc[kRows] = {};
   for (int g = 0; g < groups; ++g) {
-    const uint8_t* block[kTilePanels];
-#pragma GCC unroll 4
-    for (int c = 0; c < kTilePanels; ++c) {
-      block[c] = weight + (p0 + c) * panel_bytes + int64_t{g} * P::kBytes;
-      // Into every cache level (T0): the non-temporal hint the row kernel uses cost the panels
-      // 15-25% on an AVX-512 Xeon, Q4_1 layers and the Q8_0 head alike (benchmarks/README.md).
-      if constexpr (!kExpanded)
-        for (int line = 0; line < P::kBytes; line += 64)
-          __builtin_prefetch(block[c] + kPrefetchBytes + line, 0, 3);
-    }
+    const uint8_t* block = weight + p * panel_bytes + int64_t{g} * P::kBytes;
+    // Into every cache level (T0): the non-temporal hint the row kernel uses cost the panels
+    // 15-25% on an AVX-512 Xeon, Q4_1 layers and the Q8_0 head alike (benchmarks/README.md).
+    if constexpr (!kExpanded)
+      for (int line = 0; line < P::kBytes; line += 64)
+        __builtin_prefetch(block + kPrefetchBytes + line, 0, 3);
     const float* xg = x + 32 * g;
-    vfloat lo[kTilePanels][kRows] = {}, hi[kTilePanels][kRows] = {};
+    vfloat lo[kRows] = {}, hi[kRows] = {};
     for (int j = 0; j < P::kSteps; ++j) {
+      Codes w;
+      if constexpr (kExpanded) {
+        const vfloat* codes = expanded + int64_t{g} * 2 * P::kSteps + 2 * j;
+        w = {codes[0], codes[1]};
+      } else {
+        w = P::codes(block + P::kCodes, j);
+      }
 #pragma GCC unroll 4
-      for (int c = 0; c < kTilePanels; ++c) {
-        Codes w;
-        if constexpr (kExpanded) {
-          const vfloat* codes = expanded + (int64_t{c} * groups + g) * 2 * P::kSteps + 2 * j;
-          w = {codes[0], codes[1]};
-        } else {
-          w = P::codes(block[c] + P::kCodes, j);
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < kRows; ++r) {
-          lo[c][r] += w.lo * xg[r * int64_t{in_features} + P::lo_k(j)];
-          hi[c][r] += w.hi * xg[r * int64_t{in_features} + P::hi_k(j)];
-        }
+      for (int r = 0; r < kRows; ++r) {
+        lo[r] += w.lo * xg[r * int64_t{in_features} + P::lo_k(j)];
+        hi[r] += w.hi * xg[r * int64_t{in_features} + P::hi_k(j)];
       }
     }
+    const vfloat d = P::scales(block);
 #pragma GCC unroll 4
-    for (int c = 0; c < kTilePanels; ++c) {
-      const vfloat d = P::scales(block[c]);
+    for (int r = 0; r < kRows; ++r) acc[r] += d * (lo[r] + hi[r]);
+    if constexpr (P::kHasMin) {
+      const vfloat m = P::mins(block);
 #pragma GCC unroll 4
-      for (int r = 0; r < kRows; ++r) acc[c][r] += d * (lo[c][r] + hi[c][r]);
-      if constexpr (P::kHasMin) {
-        const vfloat m = P::mins(block[c]);
-#pragma GCC unroll 4
-        for (int r = 0; r < kRows; ++r) acc[c][r] += m * sums[r * int64_t{groups} + g];
-      }
+      for (int r = 0; r < kRows; ++r) acc[r] += m * sums[r * int64_t{groups} + g];
     }
   }
-  for (int c = 0; c < kTilePanels; ++c)
-    for (int r = 0; r < kRows; ++r)
-      std::memcpy(out + r * out_features + (p0 + c) * kPanel, &acc[c][r], sizeof(vfloat));
+  for (int r = 0; r < kRows; ++r)
+    std::memcpy(out + r * out_features + p * kPanel, &acc[r], sizeof(vfloat));
 }
 
-// Panels [p, p + num) for every row tile: a row tile's pass over these panels finds their blocks in
-// cache from the one before (each weight byte is read from memory once per step).
-// Row tiles of kPanelTileRows rows with this many panels: the shape the expanded panels serve.
-#if defined(__AVX512F__)
-constexpr int kFullTilePanels = 2;
-#else
-constexpr int kFullTilePanels = 1;  // two rows by two panels would not fit the 16 registers
-#endif
-
+// Panels [p, p + num) for every row tile, one panel at a time (see kWidePanels).
 template <typename P>
 void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float* out, int64_t p,
                  int num, int rows, int in_features, int64_t out_features,
                  const vfloat* expanded) {
   const int groups = in_features / 32;
+  const int64_t panel_codes = int64_t{groups} * 2 * P::kSteps;  // one expanded panel's vectors
   for (int r0 = 0; r0 < rows; r0 += kPanelTileRows) {
     const float* xs = x + r0 * int64_t{in_features};
     const float* ss = sums + r0 * int64_t{groups};
@@ -427,41 +410,24 @@ void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float
     const int K = in_features;
     const int64_t V = out_features;
     const int tile_rows = rows - r0 < kPanelTileRows ? rows - r0 : kPanelTileRows;
-    if (expanded != nullptr && tile_rows == kPanelTileRows) {
-      // Full row tiles read the expanded panels; the last few rows expand as they go (the
-      // same floats either way).
-      const int64_t panel_codes = int64_t{groups} * 2 * P::kSteps;  // one panel's vectors
-      for (int64_t q = p; q < p + num; q += kFullTilePanels) {
+    for (int64_t q = p; q < p + num; ++q) {
+      if (expanded != nullptr && tile_rows == kPanelTileRows) {
+        // Full row tiles read the expanded panels; the last few rows expand as they go (the
+        // same floats either way).
         const vfloat* e = expanded + (q - p) * panel_codes;
-        if (q + kFullTilePanels <= p + num)
-          panel_tile<P, kPanelTileRows, kFullTilePanels, true>(xs, ss, weight, ys, q, K, V, e);
-        else
-          panel_tile<P, kPanelTileRows, 1, true>(xs, ss, weight, ys, q, K, V, e);
+        panel_tile<P, kPanelTileRows, true>(xs, ss, weight, ys, q, K, V, e);
+        continue;
       }
-      continue;
-    }
-    if (tile_rows == 1) {  // one panel at a time (see kWidePanels)
-      for (int64_t q = p; q < p + num; ++q) panel_tile<P, 1, 1>(xs, ss, weight, ys, q, K, V);
-      continue;
-    }
-    for (int64_t q = p; q < p + num; q += 2) {
-      const bool pair = q + 2 <= p + num;
-      switch (tile_rows * 2 + pair) {
-        case 4: panel_tile<P, 2, 1>(xs, ss, weight, ys, q, K, V); break;
+      switch (tile_rows) {
+        case 1: panel_tile<P, 1>(xs, ss, weight, ys, q, K, V); break;
 #if defined(__AVX512F__)
-        case 5: panel_tile<P, 2, 2>(xs, ss, weight, ys, q, K, V); break;
-        case 6: panel_tile<P, 3, 1>(xs, ss, weight, ys, q, K, V); break;
-        case 7: panel_tile<P, 3, 2>(xs, ss, weight, ys, q, K, V); break;
-        case 8: panel_tile<P, 4, 1>(xs, ss, weight, ys, q, K, V); break;
-        default: panel_tile<P, 4, 2>(xs, ss, weight, ys, q, K, V);
-#else  // two rows by two panels would not fit the 16 registers: one panel at a time
-        case 5:
-          panel_tile<P, 2, 1>(xs, ss, weight, ys, q, K, V);
-          panel_tile<P, 2, 1>(xs, ss, weight, ys, q + 1, K, V);
-          break;
+        case 2: panel_tile<P, 2>(xs, ss, weight, ys, q, K, V); break;
+        case 3: panel_tile<P, 3>(xs, ss, weight, ys, q, K, V); break;
+        default: panel_tile<P, 4>(xs, ss, weight, ys, q, K, V);
+#else
+        default: panel_tile<P, 2>(xs, ss, weight, ys, q, K, V);
 #endif
       }
-      if (!pair) break;
     }
   }
 }
