@@ -260,9 +260,9 @@ struct Codes {
 // group's two code chains and the running sum per row) and the expansion's temporaries fit the
 // registers (32 with AVX-512, 16 half-width ones below it), and kRows x 2 independent FMA chains
 // hide the FMA latency from 2 rows on. Two panels side by side (4 rows x 2 panels, as before)
-// spilled a third of their accumulators to the stack (GCC 12); one panel at a time is 9-16%
-// faster at 64-512 rows and 23-39% at 8 on an AMD EPYC Zen 4 (benchmarks/README.md, eleventh
-// round). A lone row reads its panels as one stream, front to back: its two chains then wait on
+// spilled a third of their accumulators to the stack (GCC 12); one panel at a time is 7-22%
+// faster at 64-512 rows and 24-33% at 8 on an AMD EPYC Zen 4 (benchmarks/ab_block_linear.py;
+// benchmarks/README.md, eleventh round). A lone row reads its panels as one stream, front to back: its two chains then wait on
 // the FMA latency, but the stream matters more (the Q4_1 layers 6.9-8.0 against 7.5-8.6 ms with
 // 4 panels side by side on an AVX-512 Xeon, ninth round; the Q8_0 LM head 1.04 against 1.65 ms
 // on the EPYC, eleventh). A row tile's pass over kWidePanels panels finds their blocks in cache
