@@ -262,11 +262,12 @@ struct Codes {
 // hide the FMA latency from 2 rows on. Two panels side by side (4 rows x 2 panels, as before)
 // spilled a third of their accumulators to the stack (GCC 12); one panel at a time is 7-22%
 // faster at 64-512 rows and 24-33% at 8 on an AMD EPYC Zen 4 (benchmarks/ab_block_linear.py;
-// benchmarks/README.md, eleventh round). A lone row reads its panels as one stream, front to back: its two chains then wait on
-// the FMA latency, but the stream matters more (the Q4_1 layers 6.9-8.0 against 7.5-8.6 ms with
-// 4 panels side by side on an AVX-512 Xeon, ninth round; the Q8_0 LM head 1.04 against 1.65 ms
-// on the EPYC, eleventh). A row tile's pass over kWidePanels panels finds their blocks in cache
-// from the pass before (each weight byte is read from memory once per step).
+// benchmarks/README.md, eleventh round). A lone row reads its panels as one stream, front to
+// back: its two chains then wait on the FMA latency, but the stream matters more (the Q4_1
+// layers 6.9-8.0 against 7.5-8.6 ms with 4 panels side by side on an AVX-512 Xeon, ninth round;
+// the Q8_0 LM head 1.04 against 1.65 ms on the EPYC, eleventh). A row tile's pass over
+// kWidePanels panels finds their blocks in cache from the pass before (each weight byte is read
+// from memory once per step).
 #if defined(__AVX512F__)
 constexpr int kWidePanels = 4, kPanelTileRows = 4;
 #else
