@@ -5,11 +5,11 @@
 ab_native_step.py compares two builds of the kernels inside decode steps; prefill chunks and
 single tensors need a finer look. This builds the kernel library of this tree's
 engine/runtime/cpu and of DIR's (a worktree of another commit) with the product's compiler and
-flags, loads SmolLM2's own tensors from the embedded GGUF as quantization native holds them
-(panels), and calls kvshare_block_linear from one library and then the other, round after
-round, on the same activations. It first checks both give the same bits at every row count
-(layout, tiling and scheduling changes must), then prints each one's median time per call and
-GFLOP/s, and the ratio.
+flags, loads SmolLM2's own tensors from the embedded GGUF (block_kernels.py's) as quantization
+native holds them (panels), and calls kvshare_block_linear from one library and then the other,
+round after round, on the same activations. It first checks both give the same bits at every
+row count (layout, tiling and scheduling changes must), then prints each one's median time per
+call and GFLOP/s, and the ratio.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
 
-TENSORS = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight")
-HEAD = "token_embd.weight"  # the tied LM head (Q8_0): decode row counts only
-HEAD_MAX_ROWS = 8
+HEAD_MAX_ROWS = 8  # the tied LM head (Q8_0) at decode row counts only
 
 
 def _per_call(fn, reps: int) -> float:
@@ -47,18 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--isa", default="native", help="the kernels' build level")
     args = parser.parse_args(argv)
 
-    import numpy as np
     import torch
     from ab_native_step import build
-    from gguf import GGUFReader
+    from block_kernels import HEAD, smollm2_block_weights
 
     from engine.core.config import EngineConfig
-    from engine.runtime.cpu.block_linear import BlockLinear, BlockWeight, to_panels
-    from engine.runtime.loader import resolve_model_source
+    from engine.runtime.cpu.block_linear import BlockLinear, to_panels
 
     torch.set_num_threads(args.threads)
-    reader = GGUFReader(str(resolve_model_source(EngineConfig()).gguf_path))
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    weights = smollm2_block_weights(EngineConfig())
     print(f"threads {args.threads}, build level {args.isa}, {args.rounds} interleaved rounds")
     print("| tensor | rows | this tree us (GFLOP/s) | base us (GFLOP/s) | base / this |")
     print("|---|---|---|---|---|")
@@ -67,10 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             "this": build(REPO, Path(scratch) / "this.so", args.isa),
             "base": build(args.base.resolve(), Path(scratch) / "base.so", args.isa),
         }
-        for name in (*TENSORS, HEAD):
-            tensor = tensors[name]
-            data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-            weight = to_panels(BlockWeight(tensor.tensor_type.name, data, int(tensor.shape[0])))
+        for name, stored in weights.items():
+            weight = to_panels(stored)
             modules = {key: BlockLinear(weight, None, lib) for key, lib in libraries.items()}
             for rows in args.rows:
                 if name == HEAD and rows > HEAD_MAX_ROWS:

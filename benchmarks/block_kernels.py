@@ -45,6 +45,21 @@ TENSORS = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weigh
 HEAD = "token_embd.weight"
 
 
+def smollm2_block_weights(config: EngineConfig) -> dict[str, BlockWeight]:
+    """TENSORS and HEAD of the embedded GGUF, as stored (GGUF's block order), by name."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(resolve_model_source(config).gguf_path))
+    tensors = {t.name: t for t in reader.tensors}
+    weights = {}
+    for name in (*TENSORS, HEAD):
+        data = torch.from_numpy(np.array(tensors[name].data, dtype=np.uint8))
+        weights[name] = BlockWeight(
+            tensors[name].tensor_type.name, data, int(tensors[name].shape[0])
+        )
+    return weights
+
+
 def int4pack_candidate(weight: BlockWeight):
     """torch's int4 weight-only matmul on Q4_1's codes, or None where this torch lacks it."""
     if weight.format != "Q4_1" or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
@@ -130,23 +145,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    from gguf import GGUFReader
-
     config = EngineConfig()
     library = load_library(kvshare_cache_dir(config) / "kernels")
-    reader = GGUFReader(str(resolve_model_source(config).gguf_path))
-    tensors = {t.name: t for t in reader.tensors}
+    weights = smollm2_block_weights(config)
     bandwidth = read_bandwidth_gbs(clock)
     print(f"read bandwidth {bandwidth:.1f} GB/s; {args.threads} threads; clock {args.clock}\n")
     print("| tensor | format | rows | candidate | us | GB/s read (block bytes) | max abs err |")
     print("|---|---|---|---|---|---|---|")
-    for name in (*TENSORS, HEAD):
-        tensor = tensors[name]
-        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-        weight = BlockWeight(tensor.tensor_type.name, data, int(tensor.shape[0]))
+    for name, weight in weights.items():
         for rows in args.rows:
             for row in measure(name, weight, library, rows, args, clock):
-                gbs = data.numel() / row["us"] / 1e3
+                gbs = weight.data.numel() / row["us"] / 1e3
                 print(f"| {name} | {row['format']} | {rows} | {row['candidate']} | "
                       f"{row['us']:.1f} | {gbs:.1f} | {row['max_abs_err']:.2e} |")  # fmt: skip
 
