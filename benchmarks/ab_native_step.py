@@ -1,6 +1,7 @@
 """In-process A/B of the native CPU kernels: two builds, one engine, alternate steps.
 
-    python benchmarks/ab_native_step.py --base DIR [--batches 1 8] [--steps 600]
+    python benchmarks/ab_native_step.py --base DIR [--batches 1 8] [--steps 600] \
+        [--prompt-tokens 240] [--different-bits]
 
 On a shared host two runs of the same code differ by more than most kernel changes do (the
 batch-1 step has moved between 8.4 and 12.6 ms from one run to the next, benchmarks/README.md).
@@ -15,7 +16,9 @@ against the read bandwidth measured in the same process before and after.
 Both builds must compute the same bits (as layout, tiling and scheduling changes do: the kernel
 tests hold them to it), since the KV cache is written by whichever ran the step. The script
 checks it first: one decode step and one head call run with both libraries on the same inputs,
-and their outputs must be equal bit for bit.
+and their outputs must be equal bit for bit. --different-bits times builds whose sums run in
+another order (an attention split, say): it prints the largest difference and goes on, and
+the KV then holds whichever build's rounding wrote it.
 """
 
 from __future__ import annotations
@@ -87,8 +90,9 @@ class Alternation:
 
         return timed
 
-    def check_same_bits(self, engine) -> None:
-        """One decode step's layers and head through each library on the same inputs."""
+    def check_same_bits(self, engine, tolerate: bool = False) -> None:
+        """One decode step's layers and head through each library on the same inputs; with
+        `tolerate`, a difference is printed (its largest element) instead of ending the run."""
         import torch
 
         step, head, outputs = self.step, self.head, {}
@@ -115,11 +119,24 @@ class Alternation:
             del step.run, head.forward
         for part in ("layers", "head"):
             first, *others = [outputs[(part, name)] for name in self.libraries]
-            if not all(torch.equal(first, other) for other in others):
+            if all(torch.equal(first, other) for other in others):
+                continue
+            if tolerate:
+                largest = max((first - other).abs().max().item() for other in others)
+                print(f"the two builds' {part} differ by up to {largest:.3g}")
+            else:
                 raise SystemExit(f"the two builds' {part} differ: this A/B needs the same bits")
 
 
-def run_batch(engine, alternation, batch: int, steps: int, rng) -> None:
+def run_batch(
+    engine,
+    alternation,
+    batch: int,
+    steps: int,
+    rng,
+    prompt_tokens: int = PROMPT_TOKENS,
+    tolerate: bool = False,
+) -> None:
     """`batch` fresh ~240-token prompts decoded `steps` steps, alternation.use() switching
     between its names step by step (alternation: an Alternation, or anything with its names,
     use(), current, times[name]["step"] and check_same_bits())."""
@@ -129,11 +146,11 @@ def run_batch(engine, alternation, batch: int, steps: int, rng) -> None:
     ids = [f"ab-{batch}-{i}-{rng.randrange(10**9)}" for i in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     for request_id in ids:
-        prompt = [rng.randrange(1000, 40000) for _ in range(PROMPT_TOKENS)]
+        prompt = [rng.randrange(1000, 40000) for _ in range(prompt_tokens)]
         engine.add_request(EngineRequest(request_id, prompt, params))
     while not _is_decode_only(engine, batch):  # every prompt prefilled: one token a sequence
         engine.step()
-    alternation.check_same_bits(engine)
+    alternation.check_same_bits(engine, tolerate)
     for times in alternation.times.values():
         for samples in times.values():
             samples.clear()
@@ -153,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1])
     parser.add_argument("--steps", type=int, default=600, help="decode steps per batch size")
     parser.add_argument("--isa", default="native", help="the kernels' build level")
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=PROMPT_TOKENS, help="each prompt's length"
+    )
+    parser.add_argument(
+        "--different-bits",
+        action="store_true",
+        help="time builds whose outputs differ (a changed summation order): print the difference",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -176,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         rng = random.Random(0)
         results = []
         for batch in args.batches:
-            run_batch(engine, alternation, batch, args.steps, rng)
+            run_batch(
+                engine, alternation, batch, args.steps, rng, args.prompt_tokens, args.different_bits
+            )
             for name, times in alternation.times.items():
                 medians = {part: 1000 * statistics.median(v) for part, v in times.items()}
                 results.append((batch, name, medians, len(times["step"])))

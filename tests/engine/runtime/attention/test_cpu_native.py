@@ -120,11 +120,27 @@ def two_threads():
 
 @pytest.mark.usefixtures("two_threads")
 def test_many_sequences_split_whole_sequences_over_threads(isa_backend) -> None:
-    # 32 decodes >= 4 per thread: the kernel gives each task a whole sequence, not one KV head
+    # 32 decodes >= 2 per thread: the kernel gives each task a whole sequence, not one KV head
     chunks = [(17 * i % 90, 1) for i in range(32)]
     batch = make_paged_batch(chunks, 32, 16, 9, 3, 64, dtype=torch.bfloat16, seed=7)
     out, expected = forward_and_reference(isa_backend, batch)
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_row_is_the_same_bits_alone_and_among_many(isa_backend, cache_dtype) -> None:
+    """Alone, a sequence's KV heads are tasks of their own, dealt to the threads; among 8, the
+    sequence is one task. Either way each of its rows sums in the same order."""
+    chunks = [(37 * i % 300 + 20, 1) for i in range(8)]
+    batch = make_paged_batch(chunks, 8, 16, 9, 3, 64, seed=11)
+    k_cache, v_cache = batch.k_cache.to(cache_dtype), batch.v_cache.to(cache_dtype)
+    scale = 64**-0.5
+    together = isa_backend.forward(batch.query, k_cache, v_cache, batch.meta, scale)
+    for row in (0, 5):
+        alone = make_metadata([chunks[row]], 1, [batch.block_ids[row]], [0], "cpu")
+        out = isa_backend.forward(batch.query[row : row + 1], k_cache, v_cache, alone, scale)
+        assert torch.equal(out[0], together[row])
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,106 @@
+"""In-process A/B of the native paged attention: two or more builds, the same KV, from memory.
+
+    python benchmarks/ab_attention.py --base DIR [--base DIR2] [--batches 1 2 4 8] \
+        [--positions 540] [--rounds 31] [--isa native]
+
+SmolLM2's shapes (30 layers, 9 query heads over 3 KV heads of 64, fp16 KV in 16-token blocks),
+the pool on huge pages as the CPU runner allocates it (engine/runtime/cpu/allocator.py), each
+sequence's blocks consecutive. Per batch size, every build runs the 30 layers' kvshare_paged_decode
+(2 threads) once per round, each after a sweep of 128 MB (as in a step, where the weights have
+just passed through the caches); the builds take turns within each round. Outputs are compared
+first (bit for bit; a difference is printed). Prints, per build, the median over rounds and the
+KV bytes read over it. The builds are this tree's engine/runtime/cpu and each DIR's (a worktree of
+another commit), compiled as ab_native_step.py compiles them. Never part of `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from ab_native_step import REPO, build  # noqa: E402
+
+LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
+FLOAT32, FLOAT16 = 0, 2  # the kernels' dtype codes (engine/runtime/cpu/native.py)
+
+
+def run_layers(library, pool, query, tables, seq_lens, out) -> float:
+    """The 30 layers' attention of one batch through one build; seconds."""
+    batch, blocks = tables.shape
+    started = time.perf_counter()
+    for layer in range(LAYERS):
+        status = library.kvshare_paged_decode(
+            FLOAT32, FLOAT16, query.data_ptr(), pool[2 * layer].data_ptr(),
+            pool[2 * layer + 1].data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
+            out.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK, blocks,
+            ctypes.c_float(HEAD_DIM**-0.5), 2,
+        )  # fmt: skip
+        assert status == 0, status
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", type=Path, action="append", required=True, help="another tree")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--positions", type=int, default=540, help="context of each sequence")
+    parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--isa", default="native", help="the kernels' build level")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from engine.runtime.cpu.allocator import zeros_on_huge_pages
+
+    trees = [REPO, *(base.resolve() for base in args.base)]
+    scratch = Path(tempfile.mkdtemp())
+    libraries = [build(tree, scratch / f"build{i}.so", args.isa) for i, tree in enumerate(trees)]
+    blocks = -(-args.positions // BLOCK)
+    pool = zeros_on_huge_pages(
+        (2 * LAYERS, max(args.batches) * blocks, BLOCK, KV_HEADS, HEAD_DIM), torch.float16
+    )
+    pool.normal_()
+    sweep = torch.ones(32 * 1024 * 1024)
+
+    print("| batch | build | ms (30 layers) | KV GB/s |")
+    print("|---|---|---|---|")
+    for batch in args.batches:
+        tables = torch.arange(batch * blocks, dtype=torch.int32).reshape(batch, blocks).contiguous()
+        # Lengths a little apart, as a batch's sequences are.
+        seq_lens = torch.tensor(
+            [args.positions - 7 * i % 40 for i in range(batch)], dtype=torch.int32
+        )
+        query = torch.randn(batch, HEADS, HEAD_DIM)
+        outs = [torch.empty(batch, HEADS, HEAD_DIM) for _ in libraries]
+
+        inputs = (pool, query, tables, seq_lens)
+        for library, out in zip(libraries, outs, strict=True):
+            run_layers(library, *inputs, out)
+        for tree, out in zip(trees[1:], outs[1:], strict=True):
+            if not torch.equal(out, outs[0]):
+                difference = (out - outs[0]).abs().max().item()
+                print(f"batch {batch}: {tree} differs from this tree by up to {difference:.3g}")
+        times: list[list[float]] = [[] for _ in libraries]
+        for _ in range(args.rounds):
+            for library, out, samples in zip(libraries, outs, times, strict=True):
+                sweep.sum()
+                samples.append(run_layers(library, *inputs, out))
+        kv_bytes = 2 * LAYERS * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * 2
+        for tree, samples in zip(trees, times, strict=True):
+            seconds = statistics.median(samples)
+            name = "this tree" if tree == REPO else str(tree)
+            print(f"| {batch} | {name} | {1000 * seconds:.3f} | {kv_bytes / seconds / 1e9:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
