@@ -137,9 +137,9 @@ def run_batch(
     prompt_tokens: int = PROMPT_TOKENS,
     tolerate: bool = False,
 ) -> None:
-    """`batch` fresh ~240-token prompts decoded `steps` steps, alternation.use() switching
+    """`batch` fresh prompts of `prompt_tokens` decoded `steps` steps, alternation.use() switching
     between its names step by step (alternation: an Alternation, or anything with its names,
-    use(), current, times[name]["step"] and check_same_bits())."""
+    use(), current, times[name]["step"] and check_same_bits(engine, tolerate))."""
     from engine.core.protocol import EngineRequest
     from engine.core.sampling_params import SamplingParams
 
