@@ -16,11 +16,9 @@ another commit), compiled as ab_native_step.py compiles them. Never part of `mak
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -28,24 +26,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from ab_native_step import REPO, build  # noqa: E402
-
-LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
-FLOAT32, FLOAT16 = 0, 2  # the kernels' dtype codes (engine/runtime/cpu/native.py)
-
-
-def run_layers(library, pool, query, tables, seq_lens, out) -> float:
-    """The 30 layers' attention of one batch through one build; seconds."""
-    batch, blocks = tables.shape
-    started = time.perf_counter()
-    for layer in range(LAYERS):
-        status = library.kvshare_paged_decode(
-            FLOAT32, FLOAT16, query.data_ptr(), pool[2 * layer].data_ptr(),
-            pool[2 * layer + 1].data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
-            out.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK, blocks,
-            ctypes.c_float(HEAD_DIM**-0.5), 2,
-        )  # fmt: skip
-        assert status == 0, status
-    return time.perf_counter() - started
+from kv_pages import BLOCK, HEAD_DIM, HEADS, KV_HEADS, LAYERS, run_layers  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         query = torch.randn(batch, HEADS, HEAD_DIM)
         outs = [torch.empty(batch, HEADS, HEAD_DIM) for _ in libraries]
 
-        inputs = (pool, query, tables, seq_lens)
+        inputs = (pool, query, [tables] * LAYERS, seq_lens)
         for library, out in zip(libraries, outs, strict=True):
             run_layers(library, *inputs, out)
         for tree, out in zip(trees[1:], outs[1:], strict=True):

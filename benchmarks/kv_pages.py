@@ -30,6 +30,23 @@ POOL_BLOCKS = 2730  # ~1 GiB of fp16 K and V over 30 layers
 FLOAT32, FLOAT16 = 0, 2  # the kernels' dtype codes (engine/runtime/cpu/native.py)
 
 
+def run_layers(library, pool, query, tables, seq_lens, out) -> float:
+    """The 30 layers' paged attention of one batch (query, out [B, HEADS, HEAD_DIM]) through
+    `library`'s kvshare_paged_decode on 2 threads; layer i reads K and V from pool[2i], pool[2i + 1]
+    through tables[i] ([B, max_blocks] int32, or [max_blocks] for one sequence). Seconds."""
+    batch, max_blocks = query.shape[0], tables[0].shape[-1]
+    started = time.perf_counter()
+    for layer in range(LAYERS):
+        status = library.kvshare_paged_decode(
+            FLOAT32, FLOAT16, query.data_ptr(), pool[2 * layer].data_ptr(),
+            pool[2 * layer + 1].data_ptr(), tables[layer].data_ptr(), seq_lens.data_ptr(),
+            out.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK, max_blocks,
+            ctypes.c_float(HEAD_DIM**-0.5), 2,
+        )  # fmt: skip
+        assert status == 0, status
+    return time.perf_counter() - started
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--positions", type=int, nargs="+", default=[270, 1000])
@@ -54,18 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     sweep = torch.ones(24 * 1024 * 1024)
     rng = random.Random(0)
 
-    def run(pool, tables, seq_lens, num_blocks) -> float:
-        started = time.perf_counter()
-        for layer in range(LAYERS):
-            status = library.kvshare_paged_decode(
-                FLOAT32, FLOAT16, query.data_ptr(), pool[2 * layer].data_ptr(),
-                pool[2 * layer + 1].data_ptr(), tables[layer].data_ptr(), seq_lens.data_ptr(),
-                out.data_ptr(), 1, HEADS, KV_HEADS, HEAD_DIM, BLOCK, num_blocks,
-                ctypes.c_float(HEAD_DIM**-0.5), 2,
-            )  # fmt: skip
-            assert status == 0, status
-        return time.perf_counter() - started
-
     print("| positions | blocks | pages | after a sweep ms | warm ms |")
     print("|---|---|---|---|---|")
     for positions in args.positions:
@@ -84,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             for placement, tables in placements.items():
                 for pages, pool in pools.items():
                     for cold in (True, False):
-                        sweep.sum() if cold else run(pool, tables, seq_lens, num_blocks)
-                        seconds = run(pool, tables, seq_lens, num_blocks)
+                        sweep.sum() if cold else run_layers(
+                            library, pool, query, tables, seq_lens, out
+                        )
+                        seconds = run_layers(library, pool, query, tables, seq_lens, out)
                         times.setdefault((placement, pages, cold), []).append(seconds)
         for placement in placements:
             for pages in pools:
