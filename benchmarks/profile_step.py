@@ -387,12 +387,6 @@ def _process_clock() -> float:
     return time.process_time() if _clock is time.thread_time else _clock()
 
 
-def _process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc/PID/stat)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def _http_batch(serving, base_url: str, prompts, max_tokens: int) -> float:
     import httpx
 
@@ -433,10 +427,10 @@ def http_share(engine, serving, repo: Path, batches: list[int], rng, max_tokens=
     try:
         asyncio.run(_http_batch(serving, base_url, [_prompt(rng, 32)], 4))  # warm-up
         for batch, prompts in batch_prompts.items():
-            cpu_before = _process_cpu_s(process.pid)
+            cpu_before = serving.proc_cpu_seconds(Path(f"/proc/{process.pid}/stat"))
             http = asyncio.run(_http_batch(serving, base_url, prompts, max_tokens))
             if _clock is time.thread_time:  # the server's CPU seconds, not the wall time
-                http = _process_cpu_s(process.pid) - cpu_before
+                http = serving.proc_cpu_seconds(Path(f"/proc/{process.pid}/stat")) - cpu_before
             rows.append({
                 "batch": batch, "offline_s": offline[batch], "http_s": http,
                 "offline_tok_s": batch * max_tokens / offline[batch],
