@@ -522,7 +522,9 @@ def main(argv: list[str] | None = None) -> int:
 
     machine = measure_machine(torch)
     config = load_settings(repo / "config" / "cpu.yaml", environ={}).to_engine_config()
-    config = dataclasses.replace(config, audit_sample_rate=0.0)
+    # The prefill row times one PREFILL_TOKENS chunk, whatever step budget cpu.yaml serves with.
+    budget = max(config.max_num_batched_tokens, PREFILL_TOKENS)
+    config = dataclasses.replace(config, audit_sample_rate=0.0, max_num_batched_tokens=budget)
     if hasattr(config, "speculative_ngram_tokens"):  # a tree that has the setting
         # No drafts: every decode row is a sequence's next token, so a step's bytes and time
         # are those of plain decoding at that batch size (cpu.yaml drafts for a lone stream).
