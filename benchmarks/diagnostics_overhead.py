@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.serving import (  # noqa: E402
     BenchmarkConfig,
     free_port,
+    proc_cpu_seconds,
     run_benchmark,
     start_server,
     stop_server,
@@ -116,11 +116,7 @@ def serve(server: Server, args: argparse.Namespace) -> subprocess.Popen:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process and of its waited-for children (/proc/PID/stat)."""
-    # The fields after the command name (which may hold spaces) start with the state: utime,
-    # stime, cutime and cstime are fields 14-17 of the whole line.
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = sum(int(value) for value in fields[11:15])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return proc_cpu_seconds(Path(f"/proc/{pid}/stat"), children=True)
 
 
 def serves_diagnostics(server: Server) -> bool:

@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--child"]:
         return serve_timed(argv[1], argv[2:])
-    serve_args = argv[argv.index("--") + 1 :] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    own, serve_args = argv[:split], argv[split + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="unique")
     parser.add_argument("--concurrency", type=int, default=1)

@@ -511,13 +511,14 @@ async def _launch(
 # ---------------------------------------------------------------- server processes
 
 
-def proc_cpu_seconds(stat: Path) -> float:
+def proc_cpu_seconds(stat: Path, children: bool = False) -> float:
     """User + system CPU seconds in a /proc stat file: /proc/PID/stat for a process, or
-    /proc/PID/task/TID/stat for one of its threads."""
-    # After the command name (which may hold spaces) the fields start with the state: utime
-    # and stime are fields 14 and 15 of the whole line.
+    /proc/PID/task/TID/stat for one of its threads; children: with its waited-for children's."""
+    # After the command name (which may hold spaces) the fields start with the state: utime,
+    # stime, cutime and cstime are fields 14-17 of the whole line.
     fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = sum(int(value) for value in fields[11 : 15 if children else 13])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
