@@ -143,6 +143,34 @@ def test_a_row_is_the_same_bits_alone_and_among_many(isa_backend, cache_dtype) -
         assert torch.equal(out[0], together[row])
 
 
+@pytest.mark.skipif(
+    not {"avx512", "avx2"} <= set(available_isa_levels()), reason="needs an AVX-512 CPU"
+)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+def test_avx512_score_tiles_sum_as_avx2_does_token_by_token(
+    build_dir: Path, case: tuple, cache_dtype: torch.dtype
+) -> None:
+    """For a prefill chunk's rows after its first (their context in cache), the AVX-512 build
+    scores 16 tokens at once (their 16 horizontal sums as one tree of shuffles); the AVX2 build
+    sums each token's products on its own, in the order both share (vectors.h sum()). Same
+    bits, on every shape: full and partial tiles, 8- to 32-token blocks, decode rows, head
+    groups past the tiles' register budget."""
+    chunks, num_decodes, block_size, num_heads, num_kv_heads, head_dim = case
+    batch = make_paged_batch(
+        chunks, num_decodes, block_size, num_heads, num_kv_heads, head_dim, seed=3
+    )
+    k_cache, v_cache = batch.k_cache.to(cache_dtype), batch.v_cache.to(cache_dtype)
+    scale = head_dim**-0.5
+    outs = [
+        cpu_native.create_backend(build_dir, level).forward(
+            batch.query, k_cache, v_cache, batch.meta, scale
+        )
+        for level in ("avx512", "avx2")
+    ]
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize(
     ("num_heads", "head_dim", "dtype"),
     [(4, 16, torch.float32), (4, 64, torch.float16), (18, 64, torch.float32)],
