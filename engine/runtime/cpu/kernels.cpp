@@ -284,17 +284,20 @@ void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* t
       if (ask && ahead < seq_len)
         prefetch_rows(k_cache, table[ahead / s.block_size], kv, ask_step, s, kHeadDim);
 #if defined(__AVX512F__)
-      if (kScoreTiles<kVecs, kGroup> && !cold && s.block_size % kLanes == 0) {
-        // Whole tiles of 16 tokens; a last partial one repeats its last row, whose extra
-        // scores softmax_rows() overwrites with the padding. Only where the rows are in cache
-        // (a prefill chunk's rows after its first): from memory the token-by-token loop is
-        // faster (ab_attention.py at batch 1 and 8, 300 positions, on an AMD EPYC Zen 4: each
-        // token's work stands alone, so more of the next rows' loads are in flight at once).
-        for (int t = start; t < end; t += kLanes, k += kLanes * slot_stride) {
-          const int valid = end - t < kLanes ? end - t : kLanes;
-          score_tile<C, kVecs, kGroup>(q, k, slot_stride, valid, scores + t, padded_len);
+      // Whole tiles of 16 tokens; a last partial one repeats its last row, whose extra scores
+      // softmax_rows() overwrites with the padding. Only where the rows are in cache (a prefill
+      // chunk's rows after its first): from memory the token-by-token loop is faster
+      // (ab_attention.py at batch 1 and 8, 300 positions, on an AMD EPYC Zen 4: each token's
+      // work stands alone, so more of the next rows' loads are in flight at once). Shapes past
+      // the register budget never instantiate score_tile.
+      if constexpr (kScoreTiles<kVecs, kGroup>) {
+        if (!cold && s.block_size % kLanes == 0) {
+          for (int t = start; t < end; t += kLanes, k += kLanes * slot_stride) {
+            const int valid = end - t < kLanes ? end - t : kLanes;
+            score_tile<C, kVecs, kGroup>(q, k, slot_stride, valid, scores + t, padded_len);
+          }
+          continue;
         }
-        continue;
       }
 #endif
       for (int t = start; t < end; ++t, k += slot_stride) {
