@@ -197,15 +197,23 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_replay(sched_out):
             return self._execute_graph(sched_out)
         inputs = prepare_inputs(sched_out, self.device)
+        meta = inputs.meta
         with torch.inference_mode():
+            if not any(seq.prompt_logprobs is not None for seq in sched_out.seqs):
+                # Only the sampled rows' hidden states are read: the model may skip the rest.
+                hidden = self.model(
+                    inputs.input_ids, inputs.positions, meta, self.kv_caches, self.attn_backend,
+                    output_rows=inputs.logits_indices,
+                )  # fmt: skip
+                return self._sample(hidden, inputs.sample_seq_ids, inputs.sample_specs)
             hidden = self.model(
-                inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.attn_backend
+                inputs.input_ids, inputs.positions, meta, self.kv_caches, self.attn_backend
             )  # [T, E]
             output = self._sample(
                 hidden[inputs.logits_indices], inputs.sample_seq_ids, inputs.sample_specs
             )
             output.prompt_logprobs = score_prompt_rows(
-                self.model.compute_logits, hidden, sched_out.seqs, inputs.meta.query_start_loc_host
+                self.model.compute_logits, hidden, sched_out.seqs, meta.query_start_loc_host
             )
             return output
 
@@ -257,15 +265,20 @@ class ModelRunner:
         self._check_seqs(sched_out.seqs)
         inputs = prepare_inputs(sched_out, self.device)
         ends = inputs.meta.query_start_loc_host[1:]
-        rows = [end - 1 for end in ends]
         wanted = [i for i, seq in enumerate(sched_out.seqs) if seq.seq_id in logits_seq_ids]
+        (rows,) = split_to_device([[ends[i] - 1 for i in wanted]], self.device)
         with torch.inference_mode():
             hidden = self.model(
-                inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, self.attn_backend
-            )  # [T, E]
+                inputs.input_ids,
+                inputs.positions,
+                inputs.meta,
+                self.kv_caches,
+                self.attn_backend,
+                output_rows=rows,
+            )  # [W, E]: the wanted chunks' last rows
             if not wanted:
                 return {}
-            logits = self.model.compute_logits(hidden[[rows[i] for i in wanted]])  # [W, V]
+            logits = self.model.compute_logits(hidden)  # [W, V]
             return {sched_out.seqs[i].seq_id: logits[j].float() for j, i in enumerate(wanted)}
 
     # -- CUDA graphs (runtime/cuda_graph_runner.py): decode-only steps replay a captured graph --

@@ -13,6 +13,7 @@
 // (preallocated per batch-size bucket) and the per-layer pointer table.
 
 #include <cstdint>
+#include <cstring>
 
 extern "C" {
 int kvshare_block_linear(int format, const float* x, const uint8_t* weight, float* out, int rows,
@@ -71,30 +72,37 @@ Layer layer_at(const int64_t* table, int i) {
           reinterpret_cast<void*>(p[6]),          reinterpret_cast<void*>(p[7])};
 }
 
-// Attention: normed -> delta (the output projection's rows), K/V of the new tokens stored.
-int attention(const Dims& d, const Layer& w, const int32_t* formats, const Buffers& b,
-              const float* cos, const float* sin, const int64_t* slots,
-              const int32_t* block_tables, const int32_t* seq_lens, float scale, int threads) {
+// The fused q/k/v projection of normed, then rope on q (-> b.q) and K/V stored, for all rows.
+int project_and_store(const Dims& d, const Layer& w, const int32_t* formats, const Buffers& b,
+                      const float* cos, const float* sin, const int64_t* slots, int threads) {
   const int T = static_cast<int>(d.tokens), E = static_cast<int>(d.hidden);
   const int64_t qkv_width = (d.heads + 2 * d.kv_heads) * d.head_dim;
-  const int64_t q_width = d.heads * d.head_dim;
   int status = kvshare_block_linear(formats[0], b.normed, w.qkv, b.qkv, T, E, qkv_width, threads);
   if (status) return status;
-  const int kv_dtype = static_cast<int>(d.kv_dtype);
-  status = kvshare_rope_store(kFloat32, kv_dtype, b.qkv, qkv_width, cos, sin, slots, b.q,
-                              w.k_cache, w.v_cache, T, d.heads, d.kv_heads, d.head_dim,
-                              d.num_slots, threads);
-  if (status) return 10 + status;
-  status = kvshare_paged_decode(kFloat32, kv_dtype, b.q, w.k_cache, w.v_cache, block_tables,
-                                seq_lens, b.attn, T, d.heads, d.kv_heads, d.head_dim,
-                                d.block_size, d.max_blocks, scale, threads);
+  status = kvshare_rope_store(kFloat32, static_cast<int>(d.kv_dtype), b.qkv, qkv_width, cos, sin,
+                              slots, b.q, w.k_cache, w.v_cache, T, d.heads, d.kv_heads,
+                              d.head_dim, d.num_slots, threads);
+  return status ? 10 + status : 0;
+}
+
+// The attention of `rows` query rows b.q (row r a decode query over block_tables[r] and
+// seq_lens[r]), then the output projection: -> b.delta.
+int attend_and_project(const Dims& d, const Layer& w, const int32_t* formats, const Buffers& b,
+                       int rows, const int32_t* block_tables, const int32_t* seq_lens,
+                       float scale, int threads) {
+  const int E = static_cast<int>(d.hidden);
+  const int64_t q_width = d.heads * d.head_dim;
+  const int status = kvshare_paged_decode(
+      kFloat32, static_cast<int>(d.kv_dtype), b.q, w.k_cache, w.v_cache, block_tables, seq_lens,
+      b.attn, rows, d.heads, d.kv_heads, d.head_dim, d.block_size, d.max_blocks, scale, threads);
   if (status) return 20 + status;
-  return kvshare_block_linear(formats[1], b.attn, w.o, b.delta, T, q_width, E, threads);
+  return kvshare_block_linear(formats[1], b.attn, w.o, b.delta, rows, q_width, E, threads);
 }
 
 // MLP: normed -> delta.
-int mlp(const Dims& d, const Layer& w, const int32_t* formats, const Buffers& b, int threads) {
-  const int T = static_cast<int>(d.tokens), E = static_cast<int>(d.hidden);
+int mlp(const Dims& d, const Layer& w, const int32_t* formats, const Buffers& b, int T,
+        int threads) {
+  const int E = static_cast<int>(d.hidden);
   const int I = static_cast<int>(d.inter);
   int status = kvshare_block_linear(formats[2], b.normed, w.gate_up, b.gate_up, T, E, 2 * d.inter,
                                     threads);
@@ -103,19 +111,32 @@ int mlp(const Dims& d, const Layer& w, const int32_t* formats, const Buffers& b,
   return kvshare_block_linear(formats[3], b.act, w.down, b.delta, T, I, E, threads);
 }
 
+// Moves rows keep[0] < keep[1] < ... of a [*, width] buffer to rows 0, 1, ... (in place: each
+// row moves up or stays).
+template <typename T>
+void compact_rows(T* rows, int64_t width, const int64_t* keep, int64_t count) {
+  for (int64_t j = 0; j < count; ++j)
+    if (keep[j] != j) std::memmove(rows + j * width, rows + keep[j] * width, width * sizeof(T));
+}
+
 }  // namespace
 
 extern "C" {
 
 // hidden [T, E]: the embedded tokens in, the residual stream out; out [T, E]: the final-normed
 // rows (LlamaForCausalLM.forward's result). buffers: 7 addresses (normed, qkv, q, attn, delta,
-// gate_up, act). 0 on success; otherwise the failing op's status (block_linear's 1-2, rope
-// store's + 10, paged decode's + 20), at the layer 100 * (layer + 1) adds.
+// gate_up, act). keep: -1, or the rows whose final-normed row is wanted, strictly increasing
+// (keep_rows of them): the last layer then stores every row's K/V but runs its attention,
+// output projection and MLP on those rows only, and out [keep_rows, E] holds them in that order
+// (each op computes a row alone, so a kept row has the bits it has in the whole step; hidden and
+// block_tables/seq_lens are compacted in place). 0 on success; otherwise the failing op's
+// status (block_linear's 1-2, rope store's + 10, paged decode's + 20), at the layer
+// 100 * (layer + 1) adds; 3: keep not strictly increasing within [0, T).
 int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int32_t* formats,
                           const int64_t* buffers, float* hidden, float* out, const float* cos,
-                          const float* sin, const int64_t* slots, const int32_t* block_tables,
-                          const int32_t* seq_lens, const float* final_norm, float eps,
-                          float scale, int threads) {
+                          const float* sin, const int64_t* slots, int32_t* block_tables,
+                          int32_t* seq_lens, const int64_t* keep, int64_t keep_rows,
+                          const float* final_norm, float eps, float scale, int threads) {
   const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5],
                dims[6], dims[7], dims[8], dims[9], dims[10]};
   const Buffers b{reinterpret_cast<float*>(buffers[0]), reinterpret_cast<float*>(buffers[1]),
@@ -123,6 +144,10 @@ int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int3
                   reinterpret_cast<float*>(buffers[4]), reinterpret_cast<float*>(buffers[5]),
                   reinterpret_cast<float*>(buffers[6])};
   const int E = static_cast<int>(d.hidden);
+  const bool trim = keep_rows >= 0;
+  for (int64_t j = 0; trim && j < keep_rows; ++j)
+    if (keep[j] < (j ? keep[j - 1] + 1 : 0) || keep[j] >= d.tokens) return 3;
+  int rows = static_cast<int>(d.tokens);
   for (int i = 0; i < d.layers; ++i) {
     const Layer w = layer_at(layers, i);
     const int32_t* f = formats + int64_t{i} * kLayerFormats;
@@ -131,14 +156,24 @@ int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int3
     else
       kvshare_add_rms_norm(kFloat32, hidden, b.delta, w.input_norm, b.normed, d.tokens, E, eps,
                            threads);
-    int status = attention(d, w, f, b, cos, sin, slots, block_tables, seq_lens, scale, threads);
+    int status = project_and_store(d, w, f, b, cos, sin, slots, threads);
     if (status) return 100 * (i + 1) + status;
-    kvshare_add_rms_norm(kFloat32, hidden, b.delta, w.post_norm, b.normed, d.tokens, E, eps,
+    if (trim && i + 1 == d.layers) {  // past the K/V store only the kept rows matter
+      compact_rows(b.q, d.heads * d.head_dim, keep, keep_rows);
+      compact_rows(hidden, d.hidden, keep, keep_rows);
+      compact_rows(block_tables, d.max_blocks, keep, keep_rows);
+      compact_rows(seq_lens, 1, keep, keep_rows);
+      rows = static_cast<int>(keep_rows);
+      if (rows == 0) return 0;
+    }
+    status = attend_and_project(d, w, f, b, rows, block_tables, seq_lens, scale, threads);
+    if (status) return 100 * (i + 1) + status;
+    kvshare_add_rms_norm(kFloat32, hidden, b.delta, w.post_norm, b.normed, rows, E, eps,
                          threads);
-    status = mlp(d, w, f, b, threads);
+    status = mlp(d, w, f, b, rows, threads);
     if (status) return 100 * (i + 1) + status;
   }
-  kvshare_add_rms_norm(kFloat32, hidden, b.delta, final_norm, out, d.tokens, E, eps, threads);
+  kvshare_add_rms_norm(kFloat32, hidden, b.delta, final_norm, out, rows, E, eps, threads);
   return 0;
 }
 

@@ -29,6 +29,7 @@ from engine.runtime.cpu.block_linear import BlockLinear
 from engine.runtime.cpu.native import CACHE_DTYPE_CODES, cache_dtype_code
 
 _LANES = 16  # the kernels' vector width in floats
+_NO_ROWS = torch.zeros(1, dtype=torch.int64)  # keep's address when every row is wanted
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -99,9 +100,12 @@ class NativeDecodeStep:
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        output_rows: torch.Tensor | None = None,  # [R] int64, increasing; None: all
     ) -> torch.Tensor | None:
-        """The final-normed rows [T, E] (a view of a reused buffer: read it before the next
-        step), or None for a step this path does not take (nothing was touched then)."""
+        """The final-normed rows [T, E], or [R, E] of output_rows (a view of a reused buffer:
+        read it before the next step), or None for a step this path does not take (nothing was
+        touched then). With output_rows the last layer runs past its K/V store on those rows
+        only: a prefill chunk's other rows need their K/V and nothing else."""
         num_tokens = hidden.shape[0]
         if not num_tokens or hidden.dtype != torch.float32 or not hidden.is_contiguous():
             return None
@@ -113,6 +117,11 @@ class NativeDecodeStep:
         tables, seq_lens = _token_tables(meta, num_tokens)
         if int(tables.max()) >= num_blocks or meta.max_seq_len > tables.shape[1] * block_size:
             return None
+        keep, num_keep = _NO_ROWS, -1
+        if output_rows is not None and len(output_rows) < num_tokens:
+            # The kernel compacts the kept rows' tables in place: never the step's own.
+            keep, num_keep = output_rows.to(torch.int64).contiguous(), len(output_rows)
+            tables, seq_lens = tables.clone(), seq_lens.clone()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         rotary = self._model.rotary
         cos, sin = rotary.cos[positions].contiguous(), rotary.sin[positions].contiguous()
@@ -129,13 +138,13 @@ class NativeDecodeStep:
             dims.data_ptr(), layer_table.data_ptr(), self._formats.data_ptr(),
             bucket.addresses.data_ptr(), hidden.data_ptr(), out.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
-            self._model.model.norm.weight.data_ptr(), spec.rms_norm_eps, spec.head_dim**-0.5,
-            torch.get_num_threads(),
+            keep.data_ptr(), num_keep, self._model.model.norm.weight.data_ptr(),
+            spec.rms_norm_eps, spec.head_dim**-0.5, torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"native decode step failed with status {status}")
         self.steps_run += 1
-        return out[:num_tokens]
+        return out[: num_tokens if num_keep < 0 else num_keep]
 
     def _layers(self, kv_caches) -> torch.Tensor | None:
         """The per-layer address table [L, 8], rebuilt only when the caches change."""

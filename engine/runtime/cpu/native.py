@@ -250,4 +250,4 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvshare_block_rows.restype = int_
     library.kvshare_block_rows.argtypes = [int_, ptr, ptr, ptr, int_, int_]
     library.kvshare_decode_layers.restype = int_
-    library.kvshare_decode_layers.argtypes = [*[ptr] * 12, float_, float_, int_]
+    library.kvshare_decode_layers.argtypes = [*[ptr] * 12, long_, ptr, float_, float_, int_]

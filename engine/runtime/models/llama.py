@@ -320,18 +320,22 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[KVCache],  # per layer, [num_blocks, block_size, Hkv, D] each
         backend: AttentionBackend,
+        output_rows: torch.Tensor | None = None,  # [R] increasing row indices; None: all
     ) -> torch.Tensor:
-        """Run every layer over the flattened batch, writing K/V into the caches: [T, E]."""
+        """Run every layer over the flattened batch, writing K/V into the caches: the final
+        hidden rows [T, E], or [R, E] of output_rows (the native step then skips the last
+        layer's work past the K/V store for the other rows; the rows are the same either way)."""
         hidden = self.model.embed_tokens(input_ids)  # [T, E], a fresh tensor the adds may reuse
         if self.native_decode is not None:  # every layer in one native call
-            out = self.native_decode.run(hidden, positions, meta, kv_caches)
+            out = self.native_decode.run(hidden, positions, meta, kv_caches, output_rows)
             if out is not None:
                 return out
         rope = self.rotary.lookup(positions)
         delta = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, delta = layer(rope, hidden, delta, kv_cache, meta, backend)
-        return self.model.norm.add_forward(hidden, delta)[1]
+        out = self.model.norm.add_forward(hidden, delta)[1]
+        return out if output_rows is None else out[output_rows]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, E] -> logits [N, V] in fp32 (select the rows first)."""

@@ -5,6 +5,7 @@ and decline every step or model it does not compute exactly."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 
@@ -55,10 +56,13 @@ def caches(model, num_blocks: int = 16, dtype: torch.dtype = torch.float32):
     ]
 
 
-def run(model, backend, kv, make_step, seqs, num_decodes=0) -> torch.Tensor:
+def run(model, backend, kv, make_step, seqs, num_decodes=0, output_rows=None) -> torch.Tensor:
     inputs = prepare_inputs(make_step(seqs, BLOCK_SIZE, num_decodes), CPU)
+    rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.int64)
     with torch.inference_mode():
-        hidden = model(inputs.input_ids, inputs.positions, inputs.meta, kv, backend)
+        hidden = model(
+            inputs.input_ids, inputs.positions, inputs.meta, kv, backend, output_rows=rows
+        )
         return hidden.clone()  # the native step returns a reused buffer
 
 
@@ -167,6 +171,56 @@ def test_a_float64_cache_is_declined_untouched(library, make_tiny_model, make_st
     before = hidden.clone()
     assert step.run(hidden, inputs.positions, inputs.meta, kv) is None
     assert torch.equal(hidden, before)
+
+
+@pytest.mark.parametrize(
+    "wanted",
+    [lambda lasts, n: lasts, lambda lasts, n: [], lambda lasts, n: [0, *lasts[1:]]],
+    ids=["last-rows", "none", "first-and-lasts"],
+)
+def test_a_steps_wanted_rows_alone_are_the_rows_of_the_whole_step(
+    library, make_tiny_model, make_step, wanted
+) -> None:
+    """output_rows: the last layer runs past its K/V store on the wanted rows only (a prefill
+    chunk's other rows need their K/V and nothing else). Those rows must be the whole step's,
+    bit for bit, and every row's K/V must still be stored as the torch model stores it."""
+    model = block_model(library, make_tiny_model("llama", head_dim=64))
+    step = NativeDecodeStep.for_model(model, library)
+    backend = cpu_native.CpuNativeBackend(library)
+    a, b, c = (random_prompt(n, seed=n) for n in (21, 9, 30))
+    steps = [
+        ([ScheduledSeq(0, a[:11], 0, [0, 1, 2]), ScheduledSeq(1, b, 0, [3, 4])], 0),
+        (
+            [
+                ScheduledSeq(1, [7], 9, [3, 4]),
+                ScheduledSeq(0, a[11:21], 11, [0, 1, 2]),
+                ScheduledSeq(2, c, 0, [5, 6, 7, 8]),
+            ],
+            1,
+        ),
+    ]
+    reference_kv, native_kv = caches(model), caches(model)
+    for seqs, num_decodes in steps:
+        lasts = list(itertools.accumulate(len(seq.token_ids) for seq in seqs))
+        rows = wanted([last - 1 for last in lasts], lasts[-1])
+        model.use_native_decode(None)
+        expected = run(model, backend, reference_kv, make_step, seqs, num_decodes)
+        model.use_native_decode(step)
+        got = run(model, backend, native_kv, make_step, seqs, num_decodes, output_rows=rows)
+        assert got.shape == (len(rows), expected.shape[1])
+        assert torch.equal(got, expected[rows])
+    assert step.steps_run == len(steps)
+    for (k_ref, v_ref), (k_got, v_got) in zip(reference_kv, native_kv, strict=True):
+        assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+
+
+def test_wanted_rows_out_of_order_are_refused(library, make_tiny_model, make_step) -> None:
+    model = block_model(library, make_tiny_model("llama", head_dim=64))
+    model.use_native_decode(NativeDecodeStep.for_model(model, library))
+    backend = cpu_native.CpuNativeBackend(library)
+    seqs = [ScheduledSeq(0, random_prompt(6, seed=1), 0, [0])]
+    with pytest.raises(RuntimeError, match="status 3"):
+        run(model, backend, caches(model), make_step, seqs, output_rows=[4, 2])
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc")
