@@ -275,6 +275,41 @@ constexpr int kWidePanels = 2, kPanelTileRows = 2;
 #endif
 
 
+// Other data to ask for while a linear layer computes: `count` ranges of `bytes` bytes each
+// (decode_step.cpp: the next layer's K/V blocks, during this layer's MLP, whose arithmetic
+// leaves the memory bus idle for much of the time). Each thread takes its share of the ranges
+// and asks for a few of their lines at every weight group it computes, so the lines arrive
+// spread over the layer rather than as one burst. Only a hint: nothing computed changes.
+struct Companion {
+  const char* const* starts;
+  int64_t count, bytes;
+};
+
+class Asker {
+ public:
+  // Share t of n, asked over `steps` calls of ask().
+  Asker(const Companion* c, int64_t t, int64_t n, int64_t steps) {
+    if (c == nullptr || c->count == 0 || steps == 0) return;
+    starts_ = c->starts;
+    bytes_ = c->bytes;
+    range_ = c->count * t / n;
+    end_ = c->count * (t + 1) / n;
+    const int64_t lines = (end_ - range_) * ((bytes_ + 63) / 64);
+    per_step_ = (lines + steps - 1) / steps;
+  }
+  void ask() {
+    for (int64_t i = 0; i < per_step_ && range_ < end_; ++i) {
+      __builtin_prefetch(starts_[range_] + offset_, 0, 3);
+      offset_ += 64;
+      if (offset_ >= bytes_) offset_ = 0, ++range_;
+    }
+  }
+
+ private:
+  const char* const* starts_ = nullptr;
+  int64_t bytes_ = 0, range_ = 0, end_ = 0, per_step_ = 0, offset_ = 0;
+};
+
 // 4-bit panels: code row j holds, per column, the low nibble (weight j of the group) and the
 // high nibble (weight j + 16), as GGUF's byte j does.
 struct NibblePanel {
@@ -357,7 +392,8 @@ void expand_panels(const uint8_t* weight, int64_t p, int num, int groups, vfloat
 // out) instead of the code bytes.
 template <typename P, int kRows, bool kExpanded = false>
 void panel_tile(const float* x, const float* sums, const uint8_t* weight, float* out, int64_t p,
-                int in_features, int64_t out_features, const vfloat* expanded = nullptr) {
+                int in_features, int64_t out_features, Asker& asker,
+                const vfloat* expanded = nullptr) {
   const int groups = in_features / 32;
   const int64_t panel_bytes = int64_t{groups} * P::kBytes;
   vfloat acc[kRows] = {};
@@ -368,6 +404,7 @@ void panel_tile(const float* x, const float* sums, const uint8_t* weight, float*
     if constexpr (!kExpanded)
       for (int line = 0; line < P::kBytes; line += 64)
         __builtin_prefetch(block + kPrefetchBytes + line, 0, 3);
+    asker.ask();
     const float* xg = x + 32 * g;
     vfloat lo[kRows] = {}, hi[kRows] = {};
     for (int j = 0; j < P::kSteps; ++j) {
@@ -401,7 +438,7 @@ void panel_tile(const float* x, const float* sums, const uint8_t* weight, float*
 template <typename P>
 void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float* out, int64_t p,
                  int num, int rows, int in_features, int64_t out_features,
-                 const vfloat* expanded) {
+                 const vfloat* expanded, Asker& asker) {
   const int groups = in_features / 32;
   const int64_t panel_codes = int64_t{groups} * 2 * P::kSteps;  // one expanded panel's vectors
   for (int r0 = 0; r0 < rows; r0 += kPanelTileRows) {
@@ -416,17 +453,17 @@ void panel_chunk(const float* x, const float* sums, const uint8_t* weight, float
         // Full row tiles read the expanded panels; the last few rows expand as they go (the
         // same floats either way).
         const vfloat* e = expanded + (q - p) * panel_codes;
-        panel_tile<P, kPanelTileRows, true>(xs, ss, weight, ys, q, K, V, e);
+        panel_tile<P, kPanelTileRows, true>(xs, ss, weight, ys, q, K, V, asker, e);
         continue;
       }
       switch (tile_rows) {
-        case 1: panel_tile<P, 1>(xs, ss, weight, ys, q, K, V); break;
+        case 1: panel_tile<P, 1>(xs, ss, weight, ys, q, K, V, asker); break;
 #if defined(__AVX512F__)
-        case 2: panel_tile<P, 2>(xs, ss, weight, ys, q, K, V); break;
-        case 3: panel_tile<P, 3>(xs, ss, weight, ys, q, K, V); break;
-        default: panel_tile<P, 4>(xs, ss, weight, ys, q, K, V);
+        case 2: panel_tile<P, 2>(xs, ss, weight, ys, q, K, V, asker); break;
+        case 3: panel_tile<P, 3>(xs, ss, weight, ys, q, K, V, asker); break;
+        default: panel_tile<P, 4>(xs, ss, weight, ys, q, K, V, asker);
 #else
-        default: panel_tile<P, 2>(xs, ss, weight, ys, q, K, V);
+        default: panel_tile<P, 2>(xs, ss, weight, ys, q, K, V, asker);
 #endif
       }
     }
@@ -446,7 +483,7 @@ void group_sums(const float* x, float* sums, int rows, int in_features) {
 
 template <typename P>
 void panel_linear(const float* x, const uint8_t* weight, float* out, int rows, int in_features,
-                  int64_t out_features, int num_threads) {
+                  int64_t out_features, int num_threads, const Companion* companion) {
   // The group sums live as long as the call; reused across calls (no allocation per step).
   thread_local std::vector<float> sums;
   if constexpr (P::kHasMin) {
@@ -460,6 +497,8 @@ void panel_linear(const float* x, const uint8_t* weight, float* out, int rows, i
     // Each thread a contiguous run of panels, as even as whole panels allow.
     const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
     const int64_t first = num_panels * t / n, last = num_panels * (t + 1) / n;
+    const int64_t row_tiles = (rows + kPanelTileRows - 1) / kPanelTileRows;
+    Asker asker(companion, t, n, (last - first) * row_tiles * (in_features / 32));
     // Per thread, reused across calls: a chunk's expanded panels (144-384 KB on SmolLM2's shapes,
     // in L2). An aligned vector type: std::vector gets it the aligned allocation it needs.
     thread_local std::vector<vfloat> expanded;
@@ -470,7 +509,7 @@ void panel_linear(const float* x, const uint8_t* weight, float* out, int rows, i
       const int num = static_cast<int>(last - p < kWidePanels ? last - p : kWidePanels);
       if (expand) expand_panels<P>(weight, p, num, in_features / 32, expanded.data());
       panel_chunk<P>(x, s, weight, out, p, num, rows, in_features, out_features,
-                     expand ? expanded.data() : nullptr);
+                     expand ? expanded.data() : nullptr, asker);
     }
   }
 }
@@ -534,7 +573,8 @@ int kvshare_block_linear(int format, const float* x, const uint8_t* weight, floa
   if (format > kPanelCode) {
     if (in_features % 32 || out_features % kPanel) return 2;
     return with_panel_format(format, [&](auto tag) {
-      panel_linear<decltype(tag)>(x, weight, out, rows, in_features, out_features, num_threads);
+      panel_linear<decltype(tag)>(x, weight, out, rows, in_features, out_features, num_threads,
+                                  nullptr);
       return 0;
     });
   }
@@ -544,6 +584,24 @@ int kvshare_block_linear(int format, const float* x, const uint8_t* weight, floa
     block_linear<F>(x, weight, out, rows, in_features, out_features, num_threads);
     return 0;
   });
+}
+
+// kvshare_block_linear, asking for `count` ranges of `bytes` bytes at `starts` while it computes
+// (panel formats; see Companion).
+int kvshare_block_linear_asking(int format, const float* x, const uint8_t* weight, float* out,
+                                int rows, int in_features, int64_t out_features, int num_threads,
+                                const char* const* starts, int64_t count, int64_t bytes) {
+  if (format > kPanelCode) {
+    if (in_features % 32 || out_features % kPanel) return 2;
+    const Companion companion{starts, count, bytes};
+    return with_panel_format(format, [&](auto tag) {
+      panel_linear<decltype(tag)>(x, weight, out, rows, in_features, out_features, num_threads,
+                                  &companion);
+      return 0;
+    });
+  }
+  return kvshare_block_linear(format, x, weight, out, rows, in_features, out_features,
+                              num_threads);
 }
 
 int kvshare_block_rows(int format, const uint8_t* table, const int64_t* ids, float* out, int rows,

@@ -113,6 +113,9 @@ inline vfloat exp_nonpositive(vfloat x) {
 
 struct Shape {
   int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  // The caller asked for the K/V ahead (decode_step.cpp, during the layer before): every row
+  // then scores in tiles, as a prefill chunk's later rows do.
+  bool warm = false;
 };
 
 // Per-thread scratch: scores [G, L] of one KV head's query heads, L rounded up to whole vectors.
@@ -291,7 +294,7 @@ void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* t
       // work stands alone, so more of the next rows' loads are in flight at once). Shapes past
       // the register budget never instantiate score_tile.
       if constexpr (kScoreTiles<kVecs, kGroup>) {
-        if (!cold && s.block_size % kLanes == 0) {
+        if ((!cold || s.warm) && s.block_size % kLanes == 0) {
           for (int t = start; t < end; t += kLanes, k += kLanes * slot_stride) {
             const int valid = end - t < kLanes ? end - t : kLanes;
             score_tile<C, kVecs, kGroup>(q, k, slot_stride, valid, scores + t, padded_len);
@@ -676,12 +679,12 @@ int kvshare_supports_shape(int head_dim, int group) {
 // 1 for an unknown dtype; paged decode also 2 for a shape kvshare_supports_shape() refuses.
 // Paged decode and rope-store also take the KV cache's code (2 = float16 besides those two):
 // see with_cache_dtype for the pairs.
-int kvshare_paged_decode(int dtype, int cache_dtype, const void* query, const void* k_cache,
-                         const void* v_cache, const int32_t* block_tables,
-                         const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
-                         int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                         float scale, int num_threads) {
-  const Shape s{num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks};
+int kvshare_paged_decode_warm(int dtype, int cache_dtype, const void* query, const void* k_cache,
+                              const void* v_cache, const int32_t* block_tables,
+                              const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
+                              int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                              float scale, int num_threads, int warm) {
+  const Shape s{num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, warm != 0};
   return with_cache_dtype(dtype, cache_dtype, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
     using C = decltype(cache_tag);
@@ -689,6 +692,16 @@ int kvshare_paged_decode(int dtype, int cache_dtype, const void* query, const vo
                              static_cast<const C*>(v_cache), block_tables, seq_lens,
                              static_cast<T*>(out), s, scale, num_threads);
   });
+}
+
+int kvshare_paged_decode(int dtype, int cache_dtype, const void* query, const void* k_cache,
+                         const void* v_cache, const int32_t* block_tables,
+                         const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
+                         int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                         float scale, int num_threads) {
+  return kvshare_paged_decode_warm(dtype, cache_dtype, query, k_cache, v_cache, block_tables,
+                                   seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim,
+                                   block_size, max_blocks, scale, num_threads, 0);
 }
 
 // Each row's argmax (torch.argmax's answer): x float32 [rows, cols] -> out int64 [rows]. 2 when

@@ -46,9 +46,9 @@ def block_model(library, model_dir):
     return model
 
 
-def caches(model, num_blocks: int = 16, dtype: torch.dtype = torch.float32):
+def caches(model, num_blocks: int = 16, dtype: torch.dtype = torch.float32, block_size=BLOCK_SIZE):
     spec = model.spec
-    shape = (num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim)
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     generator = torch.Generator().manual_seed(7)  # stale contents: never read past seq_lens
     return [
         tuple(torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
@@ -56,8 +56,10 @@ def caches(model, num_blocks: int = 16, dtype: torch.dtype = torch.float32):
     ]
 
 
-def run(model, backend, kv, make_step, seqs, num_decodes=0, output_rows=None) -> torch.Tensor:
-    inputs = prepare_inputs(make_step(seqs, BLOCK_SIZE, num_decodes), CPU)
+def run(
+    model, backend, kv, make_step, seqs, num_decodes=0, output_rows=None, block_size=BLOCK_SIZE
+) -> torch.Tensor:
+    inputs = prepare_inputs(make_step(seqs, block_size, num_decodes), CPU)
     rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.int64)
     with torch.inference_mode():
         hidden = model(
@@ -68,19 +70,24 @@ def run(model, backend, kv, make_step, seqs, num_decodes=0, output_rows=None) ->
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("num_rows", [1, 3, 8])
+@pytest.mark.parametrize("block_size", [8, 16], ids=["block-8", "block-16"])
 def test_decode_steps_are_bit_identical_to_the_torch_model(
-    library, make_tiny_model, make_step, tied, num_rows
+    library, make_tiny_model, make_step, tied, num_rows, block_size
 ) -> None:
+    """From the second layer on, the native step asks for a layer's K/V during the MLP before
+    and then scores decode rows in 16-token tiles (kernels.cpp, on AVX-512 with 16-token
+    blocks); the torch model's attention scores them token by token: the same bits."""
     model = block_model(library, make_tiny_model("llama", head_dim=64, tie_word_embeddings=tied))
     step = NativeDecodeStep.for_model(model, library)
     assert step is not None
     backend = cpu_native.CpuNativeBackend(library)
     prompts = [random_prompt(5 + i, seed=10 + i) for i in range(num_rows)]
     tables = [[2 * i, 2 * i + 1] for i in range(num_rows)]
-    reference_kv, native_kv = caches(model), caches(model)
+    reference_kv = caches(model, block_size=block_size)
+    native_kv = caches(model, block_size=block_size)
     prefill = [ScheduledSeq(i, p, 0, tables[i]) for i, p in enumerate(prompts)]
-    for kv in (reference_kv, native_kv):
-        run(model, backend, kv, make_step, prefill)  # both through the torch path
+    for kv in (reference_kv, native_kv):  # both through the torch path
+        run(model, backend, kv, make_step, prefill, block_size=block_size)
     tokens = [len(p) for p in prompts]
     for offset in range(3):  # three decode steps, the same tokens fed to both
         seqs = [
@@ -88,9 +95,9 @@ def test_decode_steps_are_bit_identical_to_the_torch_model(
             for i in range(num_rows)
         ]
         model.use_native_decode(None)
-        expected = run(model, backend, reference_kv, make_step, seqs, num_rows)
+        expected = run(model, backend, reference_kv, make_step, seqs, num_rows, None, block_size)
         model.use_native_decode(step)
-        got = run(model, backend, native_kv, make_step, seqs, num_rows)
+        got = run(model, backend, native_kv, make_step, seqs, num_rows, None, block_size)
         assert torch.equal(got, expected)
     assert step.steps_run == 3
     for (k_ref, v_ref), (k_got, v_got) in zip(reference_kv, native_kv, strict=True):
