@@ -198,23 +198,21 @@ class ModelRunner:
             return self._execute_graph(sched_out)
         inputs = prepare_inputs(sched_out, self.device)
         meta = inputs.meta
+        # Only the sampled rows' hidden states are read unless prompt positions are scored:
+        # the model may then skip the rest past the last K/V store.
+        scores_prompts = any(seq.prompt_logprobs is not None for seq in sched_out.seqs)
+        rows = None if scores_prompts else inputs.logits_indices
         with torch.inference_mode():
-            if not any(seq.prompt_logprobs is not None for seq in sched_out.seqs):
-                # Only the sampled rows' hidden states are read: the model may skip the rest.
-                hidden = self.model(
-                    inputs.input_ids, inputs.positions, meta, self.kv_caches, self.attn_backend,
-                    output_rows=inputs.logits_indices,
-                )  # fmt: skip
-                return self._sample(hidden, inputs.sample_seq_ids, inputs.sample_specs)
             hidden = self.model(
-                inputs.input_ids, inputs.positions, meta, self.kv_caches, self.attn_backend
-            )  # [T, E]
-            output = self._sample(
-                hidden[inputs.logits_indices], inputs.sample_seq_ids, inputs.sample_specs
-            )
-            output.prompt_logprobs = score_prompt_rows(
-                self.model.compute_logits, hidden, sched_out.seqs, meta.query_start_loc_host
-            )
+                inputs.input_ids, inputs.positions, meta, self.kv_caches, self.attn_backend,
+                output_rows=rows,
+            )  # fmt: skip
+            sampled = hidden if rows is not None else hidden[inputs.logits_indices]  # [S, E]
+            output = self._sample(sampled, inputs.sample_seq_ids, inputs.sample_specs)
+            if scores_prompts:  # hidden [T, E]: every row
+                output.prompt_logprobs = score_prompt_rows(
+                    self.model.compute_logits, hidden, sched_out.seqs, meta.query_start_loc_host
+                )
             return output
 
     def _sample(

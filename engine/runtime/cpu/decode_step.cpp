@@ -112,7 +112,7 @@ int attend_and_project(const Dims& d, const Layer& w, const int32_t* formats, co
 // otherwise comes from memory in the attention, one sequence's blocks at a time, at a fraction
 // of the bandwidth, while the MLP's arithmetic leaves the bus mostly idle. The next layer's
 // attention then finds them in cache and scores every row in tiles (kernels.cpp, Shape::warm).
-// At batch 8 the layer stack took 11.5% less at 300 positions, 8% at 600, the same at 1000,
+// At batch 8 the layer stack took 13.6% less at 300 positions, 8% at 600, the same at 1000,
 // where the blocks no longer fit the caches (benchmarks/ab_native_step.py, AMD EPYC Zen 4).
 struct NextBlocks {
   std::vector<const char*> starts;
@@ -208,9 +208,10 @@ int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int3
       rows = static_cast<int>(keep_rows);
       if (rows == 0) return 0;
     }
-    // Warm after an MLP that asked: its projections are panels (Companion is theirs).
-    const int32_t* before = f - kLayerFormats;
-    const bool warm = i > 0 && before[2] > kPanelCode && before[3] > kPanelCode;
+    // Warm after an MLP that asked: the layer before's gate/up and down are panels (Companion
+    // is the panel kernels').
+    const bool warm =
+        i > 0 && f[2 - kLayerFormats] > kPanelCode && f[3 - kLayerFormats] > kPanelCode;
     status = attend_and_project(d, w, f, b, rows, block_tables, seq_lens, scale, warm, threads);
     if (status) return 100 * (i + 1) + status;
     kvshare_add_rms_norm(kFloat32, hidden, b.delta, w.post_norm, b.normed, rows, E, eps,
