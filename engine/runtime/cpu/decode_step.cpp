@@ -38,6 +38,8 @@ int kvshare_paged_decode_warm(int dtype, int cache_dtype, const void* query, con
 int kvshare_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int inter,
                      int num_threads);
 }
+bool kvshare_continues_chunk(const int32_t* block_tables, const int32_t* seq_lens, int64_t row,
+                             int64_t max_blocks);  // kernels.cpp
 
 namespace {
 
@@ -126,9 +128,9 @@ void find_next_blocks(const Dims& d, const Layer& next, const int32_t* block_tab
   const char* k_cache = static_cast<const char*>(next.k_cache);
   const char* v_cache = static_cast<const char*>(next.v_cache);
   for (int64_t r = 0; r < d.tokens; ++r) {
+    // A chunk's later rows read the blocks its first row listed.
+    if (kvshare_continues_chunk(block_tables, seq_lens, r, d.max_blocks)) continue;
     const int32_t* table = block_tables + r * d.max_blocks;
-    // As paged_decode tells a chunk's later rows (kernels.cpp): one more position, same table.
-    if (r > 0 && seq_lens[r] == seq_lens[r - 1] + 1 && table[0] == table[-d.max_blocks]) continue;
     const int64_t blocks = (seq_lens[r] + d.block_size - 1) / d.block_size;
     for (int64_t b = 0; b < blocks; ++b) {
       out.starts.push_back(k_cache + table[b] * out.bytes);

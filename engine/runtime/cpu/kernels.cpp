@@ -32,6 +32,15 @@
 #include <immintrin.h>
 #endif
 
+// Whether row `row` of a paged-attention call (block_tables [rows, max_blocks], seq_lens [rows])
+// is the next position of the row before in the same sequence: a prefill chunk's rows after its
+// first, whose context the row before has just read into cache. decode_step.cpp asks it too.
+bool kvshare_continues_chunk(const int32_t* block_tables, const int32_t* seq_lens, int64_t row,
+                             int64_t max_blocks) {
+  return row > 0 && seq_lens[row] == seq_lens[row - 1] + 1 &&
+         block_tables[row * max_blocks] == block_tables[(row - 1) * max_blocks];
+}
+
 namespace {
 
 #include "vectors.h"
@@ -289,7 +298,8 @@ void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* t
 #if defined(__AVX512F__)
       // Whole tiles of 16 tokens; a last partial one repeats its last row, whose extra scores
       // softmax_rows() overwrites with the padding. Only where the rows are in cache (a prefill
-      // chunk's rows after its first): from memory the token-by-token loop is faster
+      // chunk's rows after its first, or every row when the caller asked for them ahead,
+      // Shape::warm): from memory the token-by-token loop is faster
       // (ab_attention.py at batch 1 and 8, 300 positions, on an AMD EPYC Zen 4: each token's
       // work stands alone, so more of the next rows' loads are in flight at once). Shapes past
       // the register budget never instantiate score_tile.
@@ -361,8 +371,7 @@ void paged_decode(const T* query, const C* k_cache, const C* v_cache, const int3
       const int32_t* table = block_tables + b * s.max_blocks;
       // The rows of a prefill chunk after its first see the context the one before read:
       // in cache, no prefetch needed.
-      const bool cold =
-          b == 0 || seq_lens[b] != seq_lens[b - 1] + 1 || table[0] != table[-s.max_blocks];
+      const bool cold = !kvshare_continues_chunk(block_tables, seq_lens, b, s.max_blocks);
       // A whole sequence asks for whole blocks; one head, for its thread's heads of the
       // sequence when it is the first of them (round robin: heads kv_begin + threads, ...).
       const int ask_step = whole ? 1 : (kv_begin < threads ? threads : 0);

@@ -68,6 +68,24 @@ def run(
         return hidden.clone()  # the native step returns a reused buffer
 
 
+def mixed_steps() -> list[tuple[list[ScheduledSeq], int]]:
+    """(seqs, num_decodes) of three steps: a first chunk; its continuation beside a new prompt;
+    a decode, a continuation chunk crossing a block and a new prompt."""
+    a, b, c = (random_prompt(n, seed=n) for n in (21, 9, 30))
+    return [
+        ([ScheduledSeq(0, a[:11], 0, [0, 1, 2])], 0),
+        ([ScheduledSeq(0, a[11:21], 11, [0, 1, 2]), ScheduledSeq(1, b, 0, [3, 4])], 0),
+        (
+            [
+                ScheduledSeq(1, [7], 9, [3, 4]),
+                ScheduledSeq(0, [5, 6, 8], 21, [0, 1, 2]),
+                ScheduledSeq(2, c, 0, [5, 6, 7, 8]),
+            ],
+            1,
+        ),
+    ]
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("num_rows", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [8, 16], ids=["block-8", "block-16"])
@@ -124,19 +142,7 @@ def test_prefill_and_mixed_steps_are_bit_identical_to_the_torch_model(
     model = block_model(library, make_tiny_model("llama", head_dim=64))
     step = NativeDecodeStep.for_model(model, library)
     backend = cpu_native.CpuNativeBackend(library)
-    a, b, c = (random_prompt(n, seed=n) for n in (21, 9, 30))
-    steps = [
-        ([ScheduledSeq(0, a[:11], 0, [0, 1, 2])], 0),  # a first chunk
-        ([ScheduledSeq(0, a[11:21], 11, [0, 1, 2]), ScheduledSeq(1, b, 0, [3, 4])], 0),
-        (  # a decode, a continuation chunk crossing a block, a new prompt
-            [
-                ScheduledSeq(1, [7], 9, [3, 4]),
-                ScheduledSeq(0, [5, 6, 8], 21, [0, 1, 2]),
-                ScheduledSeq(2, c, 0, [5, 6, 7, 8]),
-            ],
-            1,
-        ),
-    ]
+    steps = mixed_steps()
     reference_kv, native_kv = caches(model, dtype=cache_dtype), caches(model, dtype=cache_dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(2 if two_threads else 1)
@@ -182,7 +188,7 @@ def test_a_float64_cache_is_declined_untouched(library, make_tiny_model, make_st
 
 @pytest.mark.parametrize(
     "wanted",
-    [lambda lasts, n: lasts, lambda lasts, n: [], lambda lasts, n: [0, *lasts[1:]]],
+    [lambda lasts: lasts, lambda lasts: [], lambda lasts: [0, *lasts[1:]]],
     ids=["last-rows", "none", "first-and-lasts"],
 )
 def test_a_steps_wanted_rows_alone_are_the_rows_of_the_whole_step(
@@ -194,22 +200,11 @@ def test_a_steps_wanted_rows_alone_are_the_rows_of_the_whole_step(
     model = block_model(library, make_tiny_model("llama", head_dim=64))
     step = NativeDecodeStep.for_model(model, library)
     backend = cpu_native.CpuNativeBackend(library)
-    a, b, c = (random_prompt(n, seed=n) for n in (21, 9, 30))
-    steps = [
-        ([ScheduledSeq(0, a[:11], 0, [0, 1, 2]), ScheduledSeq(1, b, 0, [3, 4])], 0),
-        (
-            [
-                ScheduledSeq(1, [7], 9, [3, 4]),
-                ScheduledSeq(0, a[11:21], 11, [0, 1, 2]),
-                ScheduledSeq(2, c, 0, [5, 6, 7, 8]),
-            ],
-            1,
-        ),
-    ]
+    steps = mixed_steps()
     reference_kv, native_kv = caches(model), caches(model)
     for seqs, num_decodes in steps:
         lasts = list(itertools.accumulate(len(seq.token_ids) for seq in seqs))
-        rows = wanted([last - 1 for last in lasts], lasts[-1])
+        rows = wanted([last - 1 for last in lasts])
         model.use_native_decode(None)
         expected = run(model, backend, reference_kv, make_step, seqs, num_decodes)
         model.use_native_decode(step)
