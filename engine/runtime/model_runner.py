@@ -221,11 +221,19 @@ class ModelRunner:
         """hidden [S, E]: the last-token rows of the sampled sequences, in seq_ids order."""
         if not specs:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden)  # [S, V]
-        if self._capture_seq_ids:
-            self._capture_logits(logits, seq_ids, specs)
+        sampled = None
+        if not self._capture_seq_ids and self.sampler.argmax_only(specs):
+            # Greedy rows need no logits: the model may find the argmax from fewer of them.
+            token_ids = self.model.greedy_tokens(hidden)
+            if token_ids is not None:
+                sampled = self.sampler.from_argmax(token_ids, specs)
+        if sampled is None:
+            logits = self.model.compute_logits(hidden)  # [S, V]
+            if self._capture_seq_ids:
+                self._capture_logits(logits, seq_ids, specs)
+            sampled = self.sampler(logits, specs)
         output = ModelRunnerOutput()
-        for seq_id, tokens in zip(seq_ids, self.sampler(logits, specs), strict=True):
+        for seq_id, tokens in zip(seq_ids, sampled, strict=True):
             output.sampled.setdefault(seq_id, []).extend(tokens)  # a draft's rows, in order
         return output
 

@@ -123,6 +123,22 @@ class Sampler:
         packed = self._pack(raw, token_ids, draws)
         return self._unpack(packed.tolist(), specs, draws)
 
+    def argmax_only(self, specs: Sequence[SampleSpec]) -> bool:
+        """Whether every draw of `specs` is its row's argmax of the raw logits: greedy, no
+        stage that changes logits, no logprobs (the tokens then need no logits at all)."""
+        return all(
+            d.params.is_greedy and d.params.logprobs is None and not _changes_logits(d)
+            for d in self._draws(specs)
+        )
+
+    def from_argmax(
+        self, token_ids: torch.Tensor, specs: Sequence[SampleSpec]
+    ) -> list[list[SampledToken]]:
+        """What __call__ returns for argmax_only specs, from each row's argmax token_ids [B]."""
+        draws = self._draws(specs)
+        chosen = token_ids.tolist()
+        return self._unpack([chosen[d.row] for d in draws], specs, draws)
+
     def processed_logits(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
         """The logits after grammar masks, bias, min_tokens and penalties: [N, V], one row
         per seed (`logits` itself when no stage applies; never written)."""

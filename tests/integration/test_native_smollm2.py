@@ -1,8 +1,9 @@
 """quantization native on the embedded SmolLM2 (what config/cpu.yaml serves): its GGUF blocks as
 stored. The blocks dequantize to exactly the exact mode's weights; the model tracks the exact
 mode teacher-forced on benchmarks/quality_text.txt; its weights stay near the file's size; and
-a seeded request's tokens are the same alone and in a crowd of 8. Also q8_0 (Q8_0 blocks made
-at load) on the same text."""
+a seeded request's tokens are the same alone and in a crowd of 8; greedy tokens taken from the
+Q8_0 head's few candidate panels (GreedyHead) are its full logits' argmax. Also q8_0 (Q8_0 blocks
+made at load) on the same text."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.runtime.cpu.block_linear import BlockEmbedding, BlockLinear
+from engine.runtime.cpu.block_linear import BlockEmbedding, BlockLinear, GreedyHead
+from engine.runtime.cpu.native import load_library
 from engine.runtime.cpu.quant_quality import TextScore, compare, score_text
-from engine.runtime.loader import iter_weights, load_model, resolve_model_source
+from engine.runtime.loader import iter_weights, kvshare_cache_dir, load_model, resolve_model_source
 from engine.runtime.model_runner import ModelRunner
 
 pytestmark = [
@@ -99,6 +101,8 @@ def test_resident_weights_stay_near_the_gguf_files_size(native_model) -> None:
         if isinstance(m, BlockLinear | BlockEmbedding)
     }
     tensors = list(native_model.parameters()) + list(native_model.buffers())
+    if native_model.greedy_head is not None:  # the head rows' norms
+        tensors.append(native_model.greedy_head.norms)
     dense = sum(t.numel() * t.element_size() for t in tensors)
     assert sum(blocks.values()) + dense <= 1.25 * gguf_bytes
 
@@ -116,3 +120,47 @@ def test_a_seeded_request_is_the_same_alone_and_in_a_crowd_of_8(prompts) -> None
     crowd = engine.generate([prompts[0], *prompts[1:8]], [seeded, *others])
     assert crowd[0].token_ids[0] == alone
     assert len(alone) == 24
+
+
+def greedy_head_of(model) -> GreedyHead:
+    """The model's GreedyHead; one made for it where this CPU's build leaves the product without
+    (no VNNI: the estimate then runs the plain loops)."""
+    if model.greedy_head is not None:
+        return model.greedy_head
+    return GreedyHead(model.lm_head, load_library(kvshare_cache_dir(EngineConfig()) / "kernels"))
+
+
+def test_greedy_head_tokens_are_the_argmax_of_the_heads_logits_on_real_hidden_states(
+    native_model, token_ids, model_dir
+) -> None:
+    """The final hidden states of the quality text (HF's exact model), 600 rows at 1, 3 and 8 at
+    a time: the greedy head's token is the full head's argmax for every one."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        hidden = hf.model(torch.tensor([token_ids])).last_hidden_state[0]
+    greedy = greedy_head_of(native_model)
+    expected = native_model.lm_head(hidden).argmax(dim=-1)
+    for rows in (1, 3, 8):
+        found = torch.cat([greedy(hidden[i : i + rows]) for i in range(0, len(hidden), rows)])
+        assert torch.equal(found, expected), rows
+
+
+def test_greedy_requests_are_the_same_with_and_without_the_greedy_head(prompts) -> None:
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", quantization="native", num_kv_blocks=256, max_num_seqs=8)
+    )
+    model = engine.runner.model
+    head = greedy_head_of(model)
+    calls = []
+
+    def counted(hidden: torch.Tensor) -> torch.Tensor | None:
+        calls.append(hidden.shape[0])
+        return head(hidden)
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    model.greedy_head = counted
+    with_head = [out.token_ids[0] for out in engine.generate(prompts[:8], greedy)]
+    assert calls and max(calls) == 8  # it answered the steps, the whole batch at once
+    model.greedy_head = None
+    without = [out.token_ids[0] for out in engine.generate(prompts[:8], greedy)]
+    assert with_head == without

@@ -10,7 +10,7 @@ Axes: T tokens, H query heads, Hkv KV heads, D head dim, E hidden size, I interm
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -312,6 +312,8 @@ class LlamaForCausalLM(nn.Module):
         if not spec.tie_word_embeddings:
             self.lm_head = _linear(spec.hidden_size, spec.vocab_size, False, device, dtype)
         self.native_decode: NativeDecodeStep | None = None  # set by use_native_decode()
+        # Greedy tokens without all the logits (a Q8_0 block head, quant.py); None: compute them.
+        self.greedy_head: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def forward(
         self,
@@ -346,6 +348,11 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:  # tied and not packed
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, E] -> [N] int64: compute_logits(hidden).argmax(-1), from fewer than all
+        the logits where the head allows it; None where it does not (compute them)."""
+        return None if self.greedy_head is None else self.greedy_head(hidden)
 
     def _plain_head_weight(self) -> torch.Tensor | None:
         """The exact LM head's [V, E] weight in its plain layout, where one exists without a

@@ -59,6 +59,35 @@ def test_an_injected_argmax_picks_the_greedy_rows_and_none_falls_back_to_torch()
     assert plain[0] == logits[0].argmax().item() and plain[2] == logits[2].argmax().item()
 
 
+@pytest.mark.parametrize(
+    ("params", "taken"),
+    [
+        ({"temperature": 0.0}, True),
+        ({"temperature": 0.0, "max_tokens": 3}, True),
+        ({"temperature": 0.7}, False),
+        ({"temperature": 0.0, "logprobs": 0}, False),
+        ({"temperature": 0.0, "logit_bias": {3: 5.0}}, False),
+        ({"temperature": 0.0, "repetition_penalty": 1.2}, False),
+        ({"temperature": 0.0, "presence_penalty": 0.5}, False),
+        ({"temperature": 0.0, "min_tokens": 2}, False),
+    ],
+)
+def test_only_plain_greedy_draws_are_their_rows_argmax(params: dict, taken: bool):
+    """argmax_only says whether __call__'s tokens are each row's argmax of the raw logits: then
+    from_argmax gives the same result from the argmax alone (a second seed's draw included)."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    specs = [spec(temperature=0.0), spec(seeds=[1, 2], **params), spec(temperature=0.0)]
+    sampler = Sampler([EOS])
+    assert sampler.argmax_only(specs) is taken
+    if taken:
+        full = sampler(logits, specs)
+        from_argmax = sampler.from_argmax(logits.argmax(dim=-1), specs)
+        assert [[t.token_id for t in row] for row in from_argmax] == [
+            [t.token_id for t in row] for row in full
+        ]
+        assert [len(row) for row in from_argmax] == [1, 2, 1]
+
+
 def test_tensor_hash_matches_python_reference():
     """The tensor splitmix64 in the sampler against engine/core/seeds.py's mix64, bit for bit:
     keys with the top bit set (negative as int64) and token ids near 2**31 included."""

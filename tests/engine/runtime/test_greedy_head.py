@@ -1,0 +1,124 @@
+"""GreedyHead (engine/runtime/cpu/block_kernels.cpp, greedy_head): each row's greedy token under a
+Q8_0 panel head from estimated logits and the few panels that can hold the largest, against
+torch.argmax of the full head's logits (BlockLinear, itself tested against F.linear on the
+dequantized weights), on every kernel build level this CPU runs: the VNNI estimate where the
+native build has it, the plain loops below it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from engine.runtime.cpu.block_linear import BlockLinear, BlockWeight, GreedyHead, to_panels
+from engine.runtime.cpu.capabilities import available_isa_levels, cpu_flags
+from engine.runtime.cpu.native import load_library
+from engine.runtime.cpu.quant import greedy_head
+from tests.engine.runtime.test_block_linear import randn, random_blocks
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
+
+VNNI_FLAGS = frozenset({"avx512_vnni", "avx512vbmi"})
+
+
+@pytest.fixture(scope="module", params=available_isa_levels())
+def library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    return load_library(tmp_path_factory.getbasetemp() / "native-kernels", request.param)
+
+
+def q8_0_head(library, out_features: int, in_features: int, seed: int) -> BlockLinear:
+    return BlockLinear(
+        to_panels(random_blocks("Q8_0", out_features, in_features, seed)), None, library
+    )
+
+
+def full_argmax(head: BlockLinear, x: torch.Tensor) -> torch.Tensor:
+    return head(x).argmax(dim=-1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (400, 96), (2048, 576)])
+def test_greedy_tokens_are_the_argmax_of_the_full_heads_logits(
+    library, rows: int, out_features: int, in_features: int
+) -> None:
+    head = q8_0_head(library, out_features, in_features, seed=rows)
+    greedy = GreedyHead(head, library)
+    for seed in range(4):
+        x = randn(rows, in_features, seed=seed)
+        x[:, seed % in_features] *= 40  # an outlier channel, as final hidden states have
+        assert torch.equal(greedy(x), full_argmax(head, x))
+
+
+def test_rows_that_point_at_one_head_row_find_it_among_its_neighbours(library) -> None:
+    """Each row is a head row plus a little noise: its logit leads the others by less than the
+    estimate's error bound for many candidates, so the exact pass decides."""
+    head = q8_0_head(library, 1024, 128, seed=7)
+    greedy = GreedyHead(head, library)
+    weights = head.block_weight
+    table = weights.dequantize()
+    targets = torch.tensor([3, 500, 1023, 16, 777, 64, 65, 900])
+    x = table[targets] + 0.01 * randn(8, 128, seed=8)
+    expected = full_argmax(head, x)
+    assert torch.equal(greedy(x), expected)
+    assert (expected == targets).float().mean() > 0.5  # the rows do point where they were aimed
+
+
+def test_ties_go_to_the_first_index_as_torch_argmax(library) -> None:
+    """Byte-identical head rows give bit-identical logits; the first of them must win, also when
+    the copies sit in other panels."""
+    blocks = random_blocks("Q8_0", 256, 64, seed=3)
+    x = randn(3, 64, seed=4)
+    x[1] = x[0] * 2.0  # the same argmax
+    winner = int(full_argmax(BlockLinear(to_panels(blocks), None, library), x[:1]))
+    data = blocks.data.clone()
+    first = (winner + 100) % 256  # the copies: one in another panel, and others around
+    copies = sorted({first, (winner + 1) % 256, (winner + 16) % 256, (winner + 200) % 256})
+    for row in copies:
+        data[row] = data[winner]
+    head = BlockLinear(to_panels(BlockWeight("Q8_0", data, 64)), None, library)
+    tied = sorted({winner, *copies})
+    logits = head(x)
+    assert (logits[:2, tied] == logits[:2, tied[:1]]).all()
+    expected = full_argmax(head, x)
+    assert expected[:2].tolist() == [tied[0], tied[0]]
+    assert torch.equal(GreedyHead(head, library)(x), expected)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_row_that_is_not_finite_is_left_to_the_full_head(library, bad: float) -> None:
+    head = q8_0_head(library, 64, 64, seed=1)
+    x = randn(3, 64, seed=2)
+    x[1, 10] = bad
+    assert GreedyHead(head, library)(x) is None
+    assert GreedyHead(head, library)(x[::2]) is not None  # the finite rows alone are answered
+
+
+def test_the_row_norms_bound_the_heads_rows(library) -> None:
+    head = q8_0_head(library, 160, 96, seed=4)
+    norms = GreedyHead(head, library).norms
+    exact = head.block_weight.dequantize().double().norm(dim=1)
+    assert (norms.double() >= exact).all()
+    assert (norms.double() <= exact * (1 + 1e-5)).all()
+
+
+def test_only_a_q8_0_panel_head_is_taken(library) -> None:
+    q4 = BlockLinear(to_panels(random_blocks("Q4_1", 64, 64, seed=1)), None, library)
+    rows_layout = BlockLinear(random_blocks("Q8_0", 64, 64, seed=1), None, library)
+    for head in (q4, rows_layout):
+        assert greedy_head(head, library) is None
+        with pytest.raises(ValueError, match="Q8_0"):
+            GreedyHead(head, library)
+
+
+def test_the_estimate_runs_on_vnni_exactly_where_the_native_build_has_it(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The fast path (and so the product's use of GreedyHead) follows the build: -march=native
+    on a CPU with AVX-512 VNNI and VBMI; never the portable levels, which lack them."""
+    for level in available_isa_levels():
+        library = load_library(tmp_path_factory.getbasetemp() / "native-kernels", level)
+        fast = level == "native" and cpu_flags() >= VNNI_FLAGS
+        assert bool(library.kvshare_greedy_head_fast()) == fast, level
+        head = q8_0_head(library, 64, 64, seed=2)
+        assert (greedy_head(head, library) is not None) == fast, level
