@@ -19,7 +19,8 @@ count for the outer one only:
   elementwise   RMSNorm, rope, SiLU-and-mul (fused or torch), embedding and rope-table lookups
   native layers a step's whole layer stack in one native call (NativeDecodeStep.run,
                 quantization native / q8_0): projections, attention and elementwise together
-  LM head       compute_logits (the [N, E] x [E, V] matmul)
+  LM head       compute_logits (the [N, E] x [E, V] matmul), or greedy_tokens where greedy rows
+                take their tokens from GreedyHead (newer trees)
   sampling      the sampler
   scheduling    scheduler.schedule and update_from_output
   Python/glue   the rest of the step (layer, runner and engine code between those calls:
@@ -84,6 +85,8 @@ HOOKS = (
     ("engine.runtime.cpu.fused", "CpuFusedOps.rope_store", "attention"),
     ("torch.nn", "Embedding.forward", "elementwise"),
     ("engine.runtime.models.llama", "LlamaForCausalLM.compute_logits", "LM head"),
+    # Newer trees: greedy rows' tokens from GreedyHead, without all the logits.
+    ("engine.runtime.models.llama", "LlamaForCausalLM.greedy_tokens", "LM head"),
     # Newer trees: a step's whole layer stack in one native call (decode_step.cpp).
     ("engine.runtime.cpu.decode_step", "NativeDecodeStep.run", "native layers"),
     ("engine.runtime.sampler", "Sampler.__call__", "sampling"),
