@@ -555,15 +555,29 @@ void panel_rows(const uint8_t* table, const int64_t* ids, float* out, int rows, 
 
 constexpr int kGreedyRows = 8;  // rows per pass over a panel's codes (their accumulators)
 
+#if defined(__AVX512F__)
+// The VNNI estimate. A -march=native build on a CPU with VNNI and VBMI has them throughout; the
+// portable AVX-512 build (x86-64-v4, what the runtime image ships) compiles this function alone
+// for them and runs it where the CPU says it has them (greedy_fast). Builds below AVX-512 never
+// do: a forced lower level stays the lower path.
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-constexpr bool kGreedyFast = true;
+#define KVSHARE_VNNI_TARGET
+inline bool greedy_fast() { return true; }
+#else
+#define KVSHARE_VNNI_TARGET __attribute__((target("avx512vnni,avx512vbmi")))
+inline bool greedy_fast() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+}
+#endif
 
 // The estimated logits of panel p for rows [r0, r0 + kRows): codes [rows, K] are the rows'
 // int8 codes plus 128 (vpdpbusd multiplies unsigned by signed bytes; 128 times the column's
 // code sum is taken back), scales [rows, K / 32].
 template <int kRows>
-void estimate_panel(const uint8_t* weight, int64_t p, int in_features, const uint8_t* codes,
-                    const float* scales, int r0, vfloat* est) {
+KVSHARE_VNNI_TARGET void estimate_panel_vnni(const uint8_t* weight, int64_t p, int in_features,
+                                             const uint8_t* codes, const float* scales, int r0,
+                                             vfloat* est) {
   const int groups = in_features / 32;
   // A panel's 64-byte run holds 4 code rows (weights k..k+3) of 16 columns; vpdpbusd wants each
   // column's 4 codes in one 32-bit lane: byte 4c + i takes byte 16i + c.
@@ -605,13 +619,14 @@ void estimate_panel(const uint8_t* weight, int64_t p, int in_features, const uin
   for (int r = 0; r < kRows; ++r) est[r] = reinterpret_cast<vfloat>(acc[r]);
 }
 #else
-constexpr bool kGreedyFast = false;
+inline bool greedy_fast() { return false; }
+#endif
 
-// The same estimate in plain integer loops (for CPUs without VNNI and VBMI, where the caller
-// keeps the full head: this path is for the tests).
+// The same estimate in plain integer loops: where the CPU or the build lacks VNNI and VBMI the
+// product keeps the full head, and this path is for the tests.
 template <int kRows>
-void estimate_panel(const uint8_t* weight, int64_t p, int in_features, const uint8_t* codes,
-                    const float* scales, int r0, vfloat* est) {
+void estimate_panel_loops(const uint8_t* weight, int64_t p, int in_features, const uint8_t* codes,
+                          const float* scales, int r0, vfloat* est) {
   const int groups = in_features / 32;
   const uint8_t* panel = weight + p * int64_t{groups} * PanelQ8_0::kBytes;
   float acc[kRows][kPanel] = {};
@@ -630,7 +645,15 @@ void estimate_panel(const uint8_t* weight, int64_t p, int in_features, const uin
   }
   for (int r = 0; r < kRows; ++r) est[r] = load(acc[r]);
 }
+
+template <int kRows>
+void estimate_panel(bool fast, const uint8_t* weight, int64_t p, int in_features,
+                    const uint8_t* codes, const float* scales, int r0, vfloat* est) {
+#if defined(__AVX512F__)
+  if (fast) return estimate_panel_vnni<kRows>(weight, p, in_features, codes, scales, r0, est);
 #endif
+  estimate_panel_loops<kRows>(weight, p, in_features, codes, scales, r0, est);
+}
 
 inline float max_lane(vfloat v) {
 #if defined(__AVX512F__)
@@ -686,6 +709,7 @@ int greedy_head(const float* x, const uint8_t* weight, const float* norms, int64
                       codes.data() + r * int64_t{in_features}, scales.data() + r * int64_t{groups},
                       &reach[r]))
       return 3;
+  const bool fast = greedy_fast();
   // Raw pointers: inside the parallel region a thread_local name is each thread's own.
   const uint8_t* c = codes.data();
   const float* s = scales.data();
@@ -705,14 +729,14 @@ int greedy_head(const float* x, const uint8_t* weight, const float* norms, int64
       for (int64_t p = first; p < last; ++p) {
         vfloat est[kGreedyRows];
         switch (tile) {
-          case 1: estimate_panel<1>(weight, p, in_features, c, s, r0, est); break;
-          case 2: estimate_panel<2>(weight, p, in_features, c, s, r0, est); break;
-          case 3: estimate_panel<3>(weight, p, in_features, c, s, r0, est); break;
-          case 4: estimate_panel<4>(weight, p, in_features, c, s, r0, est); break;
-          case 5: estimate_panel<5>(weight, p, in_features, c, s, r0, est); break;
-          case 6: estimate_panel<6>(weight, p, in_features, c, s, r0, est); break;
-          case 7: estimate_panel<7>(weight, p, in_features, c, s, r0, est); break;
-          default: estimate_panel<8>(weight, p, in_features, c, s, r0, est);
+          case 1: estimate_panel<1>(fast, weight, p, in_features, c, s, r0, est); break;
+          case 2: estimate_panel<2>(fast, weight, p, in_features, c, s, r0, est); break;
+          case 3: estimate_panel<3>(fast, weight, p, in_features, c, s, r0, est); break;
+          case 4: estimate_panel<4>(fast, weight, p, in_features, c, s, r0, est); break;
+          case 5: estimate_panel<5>(fast, weight, p, in_features, c, s, r0, est); break;
+          case 6: estimate_panel<6>(fast, weight, p, in_features, c, s, r0, est); break;
+          case 7: estimate_panel<7>(fast, weight, p, in_features, c, s, r0, est); break;
+          default: estimate_panel<8>(fast, weight, p, in_features, c, s, r0, est);
         }
         const vfloat norm = load(norms + p * kPanel);
         for (int r = 0; r < tile; ++r) {
@@ -830,7 +854,7 @@ int kvshare_greedy_head(int format, const float* x, const uint8_t* weight, const
 
 // 1 where the estimate runs on AVX-512 VNNI (and VBMI's byte permutation), which is where it
 // beats the full head; 0 where it runs the plain loops.
-int kvshare_greedy_head_fast() { return kGreedyFast ? 1 : 0; }
+int kvshare_greedy_head_fast() { return greedy_fast() ? 1 : 0; }
 
 int kvshare_block_rows(int format, const uint8_t* table, const int64_t* ids, float* out, int rows,
                        int in_features) {

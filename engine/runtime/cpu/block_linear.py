@@ -147,8 +147,9 @@ class GreedyHead:
     times the row's quantization error (plus a margin for rounding), and computes exactly, with
     the head's own tile, only the panels whose logits can reach the largest lower bound: the
     answer is torch.argmax of the full head's logits, ties to the first index, in about half the
-    time at 4-8 rows. Only where block_kernels.cpp runs the estimate on AVX-512 VNNI and VBMI
-    (`fast`); elsewhere the estimate runs in plain loops, for the tests.
+    time at 4-8 rows. The product uses it where block_kernels.cpp runs the estimate on AVX-512
+    VNNI and VBMI (quant.greedy_head: an AVX-512 build on a CPU that has them); elsewhere the
+    estimate runs in plain loops, for the tests.
     """
 
     # The head's rows dequantized at a time to find their norms (9 MB at SmolLM2's width).
@@ -159,7 +160,6 @@ class GreedyHead:
         if weight.code != PANEL_CODE + BLOCK_FORMATS["Q8_0"][0]:
             raise ValueError("GreedyHead takes a Q8_0 head in panels")
         self.head = head
-        self.fast = bool(library.kvshare_greedy_head_fast())
         self._run = library.kvshare_greedy_head
         self.norms = self._row_norms(head, library)
 

@@ -230,8 +230,9 @@ def _replace_with_blocks(model: nn.Module, blocks: dict, library) -> int:
 
 
 def greedy_head(head: nn.Module | None, library) -> GreedyHead | None:
-    """A GreedyHead for a Q8_0 panel head where its estimate runs on VNNI (about half the full
-    head's time at 4-8 rows); None elsewhere, where the logits are computed."""
+    """A GreedyHead for a Q8_0 panel head where its estimate runs on VNNI (an AVX-512 build of
+    the kernels on a CPU with VNNI and VBMI; about half the full head's time at 4-8 rows); None
+    elsewhere, where the logits are computed."""
     if not isinstance(head, BlockLinear) or head.block_weight.format != "Q8_0":
         return None
     if head.block_weight.layout != "panels" or not library.kvshare_greedy_head_fast():
