@@ -136,6 +136,8 @@ class Sampler:
     ) -> list[list[SampledToken]]:
         """What __call__ returns for argmax_only specs, from each row's argmax token_ids [B]."""
         draws = self._draws(specs)
+        if not draws:
+            return [[] for _ in specs]
         chosen = token_ids.tolist()
         return self._unpack([chosen[d.row] for d in draws], specs, draws)
 

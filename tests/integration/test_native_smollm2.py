@@ -7,6 +7,7 @@ made at load) on the same text."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -141,8 +142,12 @@ def test_greedy_head_tokens_are_the_argmax_of_the_heads_logits_on_real_hidden_st
     greedy = greedy_head_of(native_model)
     expected = native_model.lm_head(hidden).argmax(dim=-1)
     for rows in (1, 3, 8):
-        found = torch.cat([greedy(hidden[i : i + rows]) for i in range(0, len(hidden), rows)])
-        assert torch.equal(found, expected), rows
+        found, computed = [], 0
+        for i in range(0, len(hidden), rows):
+            found.append(greedy(hidden[i : i + rows]))
+            computed += greedy.panels_computed
+        assert torch.equal(torch.cat(found), expected), rows
+        assert computed / len(hidden) < 50  # panels a row, of 3,072: the estimate narrowed it
 
 
 def test_greedy_requests_are_the_same_with_and_without_the_greedy_head(prompts) -> None:
@@ -164,3 +169,8 @@ def test_greedy_requests_are_the_same_with_and_without_the_greedy_head(prompts) 
     model.greedy_head = None
     without = [out.token_ids[0] for out in engine.generate(prompts[:8], greedy)]
     assert with_head == without
+    # Rows that ask for logprobs need the logits: the greedy head is never asked for them.
+    model.greedy_head, calls[:] = counted, []
+    with_logprobs = dataclasses.replace(greedy, logprobs=1)
+    scored = engine.generate([prompts[0]], with_logprobs)[0]
+    assert calls == [] and scored.token_ids[0] == with_head[0]

@@ -157,11 +157,20 @@ class GreedyHead:
 
     def __init__(self, head: BlockLinear, library: ctypes.CDLL) -> None:
         weight = head.block_weight
-        if weight.code != PANEL_CODE + BLOCK_FORMATS["Q8_0"][0]:
-            raise ValueError("GreedyHead takes a Q8_0 head in panels")
+        if weight.code != PANEL_CODE + BLOCK_FORMATS["Q8_0"][0] or head.bias is not None:
+            raise ValueError("GreedyHead takes a Q8_0 head in panels, without a bias")
         self.head = head
         self._run = library.kvshare_greedy_head
         self.norms = self._row_norms(head, library)
+        if not torch.isfinite(self.norms).all():
+            raise ValueError("GreedyHead takes a head whose rows are finite")
+        # (row, panel) pairs the last call computed exactly: how far the estimate narrowed it.
+        self._computed = torch.zeros(1, dtype=torch.int64)
+
+    @property
+    def panels_computed(self) -> int:
+        """How many (row, panel) pairs the last call computed exactly (of rows x V / 16)."""
+        return int(self._computed)
 
     @classmethod
     def _row_norms(cls, head: BlockLinear, library: ctypes.CDLL) -> torch.Tensor:
@@ -183,7 +192,7 @@ class GreedyHead:
         status = self._run(
             weight.code, x.data_ptr(), weight.data.data_ptr(), self.norms.data_ptr(),
             ids.data_ptr(), x.shape[0], weight.in_features, weight.out_features,
-            torch.get_num_threads(),
+            torch.get_num_threads(), self._computed.data_ptr(),
         )  # fmt: skip
         if status == 3:
             return None

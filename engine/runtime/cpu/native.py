@@ -250,7 +250,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvshare_block_rows.restype = int_
     library.kvshare_block_rows.argtypes = [int_, ptr, ptr, ptr, int_, int_]
     library.kvshare_greedy_head.restype = int_
-    library.kvshare_greedy_head.argtypes = [int_, ptr, ptr, ptr, ptr, int_, int_, long_, int_]
+    library.kvshare_greedy_head.argtypes = [
+        int_, ptr, ptr, ptr, ptr, int_, int_, long_, int_, ptr
+    ]  # fmt: skip
     library.kvshare_greedy_head_fast.restype = int_
     library.kvshare_greedy_head_fast.argtypes = []
     library.kvshare_decode_layers.restype = int_

@@ -237,4 +237,8 @@ def greedy_head(head: nn.Module | None, library) -> GreedyHead | None:
         return None
     if head.block_weight.layout != "panels" or not library.kvshare_greedy_head_fast():
         return None
-    return GreedyHead(head, library)
+    try:
+        return GreedyHead(head, library)
+    except ValueError as exc:  # a bias, or rows that are not finite
+        logger.info("greedy rows compute all the logits: %s", exc)
+        return None
