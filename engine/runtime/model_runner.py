@@ -222,11 +222,9 @@ class ModelRunner:
         if not specs:
             return ModelRunnerOutput()
         sampled = None
-        if not self._capture_seq_ids and self.sampler.argmax_only(specs):
+        if not self._capture_seq_ids:
             # Greedy rows need no logits: the model may find the argmax from fewer of them.
-            token_ids = self.model.greedy_tokens(hidden)
-            if token_ids is not None:
-                sampled = self.sampler.from_argmax(token_ids, specs)
+            sampled = self.sampler.by_argmax(specs, lambda: self.model.greedy_tokens(hidden))
         if sampled is None:
             logits = self.model.compute_logits(hidden)  # [S, V]
             if self._capture_seq_ids:

@@ -123,21 +123,21 @@ class Sampler:
         packed = self._pack(raw, token_ids, draws)
         return self._unpack(packed.tolist(), specs, draws)
 
-    def argmax_only(self, specs: Sequence[SampleSpec]) -> bool:
-        """Whether every draw of `specs` is its row's argmax of the raw logits: greedy, no
-        stage that changes logits, no logprobs (the tokens then need no logits at all)."""
-        return all(
-            d.params.is_greedy and d.params.logprobs is None and not _changes_logits(d)
-            for d in self._draws(specs)
-        )
-
-    def from_argmax(
-        self, token_ids: torch.Tensor, specs: Sequence[SampleSpec]
-    ) -> list[list[SampledToken]]:
-        """What __call__ returns for argmax_only specs, from each row's argmax token_ids [B]."""
+    def by_argmax(
+        self, specs: Sequence[SampleSpec], argmax: Callable[[], torch.Tensor | None]
+    ) -> list[list[SampledToken]] | None:
+        """What __call__ returns, from each row's argmax alone (argmax(): token ids [B], or None
+        to decline), where every draw of `specs` is its row's argmax of the raw logits: greedy,
+        no stage that changes logits, no logprobs. None otherwise (compute the logits)."""
         draws = self._draws(specs)
-        if not draws:
-            return [[] for _ in specs]
+        if not draws or not all(
+            d.params.is_greedy and d.params.logprobs is None and not _changes_logits(d)
+            for d in draws
+        ):
+            return None
+        token_ids = argmax()
+        if token_ids is None:
+            return None
         chosen = token_ids.tolist()
         return self._unpack([chosen[d.row] for d in draws], specs, draws)
 

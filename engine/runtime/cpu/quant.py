@@ -233,12 +233,10 @@ def greedy_head(head: nn.Module | None, library) -> GreedyHead | None:
     """A GreedyHead for a Q8_0 panel head where its estimate runs on VNNI (an AVX-512 build of
     the kernels on a CPU with VNNI and VBMI; about half the full head's time at 4-8 rows); None
     elsewhere, where the logits are computed."""
-    if not isinstance(head, BlockLinear) or head.block_weight.format != "Q8_0":
-        return None
-    if head.block_weight.layout != "panels" or not library.kvshare_greedy_head_fast():
+    if not isinstance(head, BlockLinear) or not library.kvshare_greedy_head_fast():
         return None
     try:
         return GreedyHead(head, library)
-    except ValueError as exc:  # a bias, or rows that are not finite
+    except ValueError as exc:  # not Q8_0 panels, a bias, or rows that are not finite
         logger.info("greedy rows compute all the logits: %s", exc)
         return None

@@ -73,15 +73,15 @@ def test_an_injected_argmax_picks_the_greedy_rows_and_none_falls_back_to_torch()
     ],
 )
 def test_only_plain_greedy_draws_are_their_rows_argmax(params: dict, taken: bool):
-    """argmax_only says whether __call__'s tokens are each row's argmax of the raw logits: then
-    from_argmax gives the same result from the argmax alone (a second seed's draw included)."""
+    """by_argmax takes specs whose __call__ tokens are each row's argmax of the raw logits,
+    and gives the same result from the argmax alone (a second seed's draw included)."""
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
     specs = [spec(temperature=0.0), spec(seeds=[1, 2], **params), spec(temperature=0.0)]
     sampler = Sampler([EOS])
-    assert sampler.argmax_only(specs) is taken
+    from_argmax = sampler.by_argmax(specs, lambda: logits.argmax(dim=-1))
+    assert (from_argmax is not None) is taken
     if taken:
         full = sampler(logits, specs)
-        from_argmax = sampler.from_argmax(logits.argmax(dim=-1), specs)
         assert [[t.token_id for t in row] for row in from_argmax] == [
             [t.token_id for t in row] for row in full
         ]
