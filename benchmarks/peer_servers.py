@@ -13,6 +13,7 @@ import glob
 import importlib.util
 import os
 import platform
+import re
 import subprocess
 import sys
 import tarfile
@@ -47,6 +48,9 @@ VLLM_CPU_TUNING = {
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
 }
+
+
+ENV_WORD = re.compile(r"^[A-Z][A-Z0-9_]*=")  # a kvshare variant's environment setting
 
 
 @dataclass
@@ -127,9 +131,14 @@ def server_command(name: str, peers: Peers, port: int) -> tuple[list[str], str, 
     """One server's command line, readiness URL and extra environment."""
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if name in peers.kvshare_variants:
+        # A variant's NAME=VALUE words with an upper-case name are its environment
+        # (KVSHARE_CPU_AMX=1), the rest serve flags.
+        words = peers.kvshare_variants[name]
+        env = dict(w.split("=", 1) for w in words if ENV_WORD.match(w))
+        flags = [w for w in words if not ENV_WORD.match(w)]
         command = [sys.executable, "-m", "app.cli", "serve", "--config", str(SERVE_CONFIG)]
-        command += [*host, "--log-level", "warning", *peers.kvshare_variants[name]]
-        return command, f"http://127.0.0.1:{port}/ready", {}
+        command += [*host, "--log-level", "warning", *flags]
+        return command, f"http://127.0.0.1:{port}/ready", env
     if name == LLAMA_SERVER:
         command = [str(peers.llama_server), "-m", str(peers.gguf), *host,
                    "-np", str(LLAMA_SLOTS), "-t", str(LLAMA_THREADS), "-c", str(LLAMA_CONTEXT),

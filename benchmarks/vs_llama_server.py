@@ -194,7 +194,8 @@ def _parse_args(argv):
     parser.add_argument(
         "--kvshare-variant", action="append", default=None, metavar="NAME=FLAGS",
         help="more kvshare servers: a name and extra serve flags after config/cpu.yaml, "
-        "e.g. 'fp16=--quantization fp16' (repeatable)",
+        "e.g. 'fp16=--quantization fp16', or environment settings, e.g. "
+        "'amx=KVSHARE_CPU_AMX=1' (repeatable)",
     )  # fmt: skip
     parser.add_argument(
         "--peers",

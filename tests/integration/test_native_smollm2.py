@@ -19,10 +19,12 @@ from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.runtime.cpu.block_linear import BlockEmbedding, BlockLinear, GreedyHead
+from engine.runtime.cpu.capabilities import cpu_flags
 from engine.runtime.cpu.native import load_library
 from engine.runtime.cpu.quant_quality import TextScore, compare, score_text
 from engine.runtime.loader import iter_weights, kvshare_cache_dir, load_model, resolve_model_source
 from engine.runtime.model_runner import ModelRunner
+from tests.engine.runtime.kernel_paths import AMX_FLAGS
 
 pytestmark = [
     pytest.mark.integration,
@@ -108,10 +110,23 @@ def test_resident_weights_stay_near_the_gguf_files_size(native_model) -> None:
     assert sum(blocks.values()) + dense <= 1.25 * gguf_bytes
 
 
-def test_a_seeded_request_is_the_same_alone_and_in_a_crowd_of_8(prompts) -> None:
-    engine = LLMEngine(
-        EngineConfig(dtype="float32", quantization="native", num_kv_blocks=256, max_num_seqs=8)
-    )
+# The panel kernels on the FMAs, and on AMX tiles where the CPU has them (KVSHARE_CPU_AMX=1).
+PANEL_PATHS = ["fma"] + (["amx"] if cpu_flags() >= AMX_FLAGS else [])
+
+
+@pytest.mark.parametrize("path", PANEL_PATHS)
+def test_a_seeded_request_is_the_same_alone_and_in_a_crowd_of_8(prompts, path: str) -> None:
+    config = EngineConfig(dtype="float32", quantization="native", num_kv_blocks=256, max_num_seqs=8)
+    library = load_library(kvshare_cache_dir(config) / "kernels")  # the one the engine loads
+    before = library.kvshare_panel_amx(-1)
+    try:
+        assert library.kvshare_panel_amx(int(path == "amx")) == int(path == "amx")
+        check_alone_and_in_a_crowd(LLMEngine(config), prompts)
+    finally:
+        library.kvshare_panel_amx(before)
+
+
+def check_alone_and_in_a_crowd(engine: LLMEngine, prompts) -> None:
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
     alone = engine.generate([prompts[0]], seeded)[0].token_ids[0]
     others = [

@@ -113,7 +113,16 @@ def _load_library(build_dir: Path, isa: str) -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as exc:  # unwritable dir, bad CXX, bad .so
         raise NativeBuildError(f"cannot build or load the kernel with {compiler!r}: {exc}") from exc
     _declare(library)
+    _choose_paths(library)
     return library
+
+
+def _choose_paths(library: ctypes.CDLL) -> None:
+    """Tell a freshly loaded library what the probe allows: the panel kernels on AMX tiles or
+    not (the library keeps them off where its build, the CPU or the OS cannot)."""
+    library.kvshare_panel_amx.restype = ctypes.c_int
+    library.kvshare_panel_amx.argtypes = [ctypes.c_int]
+    library.kvshare_panel_amx(int(capabilities.cpu_capabilities().amx))
 
 
 def build_prebuilt(directory: Path, levels: tuple[str, ...] = PREBUILT_LEVELS) -> list[Path]:
@@ -171,6 +180,7 @@ def _load_prebuilt(isa: str) -> ctypes.CDLL:
     except OSError as exc:
         raise NativeBuildError(f"cannot load the prebuilt kernel {found}: {exc}") from exc
     _declare(library)
+    _choose_paths(library)
     logger.info("no C++ compiler here: using the prebuilt native CPU kernels %s", found)
     return library
 

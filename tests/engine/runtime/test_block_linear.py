@@ -25,8 +25,7 @@ from engine.runtime.cpu.block_linear import (
     to_panels,
     to_rows,
 )
-from engine.runtime.cpu.capabilities import available_isa_levels
-from engine.runtime.cpu.native import load_library
+from tests.engine.runtime.kernel_paths import kernel_path, kernel_paths
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
 
@@ -44,10 +43,11 @@ FORMATS = list(BLOCK_FORMATS)
 LAYOUTS = [(fmt, "rows") for fmt in FORMATS] + [(fmt, "panels") for fmt in PANEL_FORMATS]
 
 
-@pytest.fixture(scope="module", params=available_isa_levels())
+@pytest.fixture(scope="module", params=kernel_paths())
 def library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     # The session's build dir, shared with the other native kernel tests: one build per level.
-    return load_library(tmp_path_factory.getbasetemp() / "native-kernels", request.param)
+    with kernel_path(tmp_path_factory.getbasetemp() / "native-kernels", request.param) as library:
+        yield library
 
 
 def random_blocks(fmt: str, out_features: int, in_features: int, seed: int) -> BlockWeight:

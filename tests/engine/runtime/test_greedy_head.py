@@ -15,6 +15,7 @@ from engine.runtime.cpu.block_linear import BlockLinear, BlockWeight, GreedyHead
 from engine.runtime.cpu.capabilities import available_isa_levels, cpu_flags
 from engine.runtime.cpu.native import load_library
 from engine.runtime.cpu.quant import greedy_head
+from tests.engine.runtime.kernel_paths import kernel_path, kernel_paths
 from tests.engine.runtime.test_block_linear import randn, random_blocks
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
@@ -22,9 +23,11 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++
 VNNI_FLAGS = frozenset({"avx512_vnni", "avx512vbmi"})
 
 
-@pytest.fixture(scope="module", params=available_isa_levels())
+@pytest.fixture(scope="module", params=kernel_paths())
 def library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    return load_library(tmp_path_factory.getbasetemp() / "native-kernels", request.param)
+    # The session's build dir, shared with the other native kernel tests: one build per level.
+    with kernel_path(tmp_path_factory.getbasetemp() / "native-kernels", request.param) as library:
+        yield library
 
 
 def q8_0_head(library, out_features: int, in_features: int, seed: int) -> BlockLinear:

@@ -1,0 +1,41 @@
+"""The native kernel paths this CPU runs, for the kernel tests' fixtures: every build level
+(available_isa_levels), and on a CPU with AMX the AVX-512 levels once more with the panel kernels
+on the tiles (KVSHARE_CPU_AMX=1's path, block_kernels.cpp "Panels on AMX tiles")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from engine.runtime.cpu.capabilities import available_isa_levels, cpu_flags
+from engine.runtime.cpu.native import load_library
+
+AMX = "+amx"
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+AMX_LEVELS = ("native", "avx512")  # the builds with AVX-512, which carry the tile code
+
+
+def kernel_paths() -> list[str]:
+    """Each level, then level+amx for the AVX-512 levels where the CPU has AMX."""
+    levels = list(available_isa_levels())
+    if cpu_flags() >= AMX_FLAGS:
+        levels += [level + AMX for level in levels if level in AMX_LEVELS]
+    return levels
+
+
+@contextmanager
+def kernel_path(build_dir: Path, path: str) -> Iterator:
+    """The library of `path`'s level with the tiles on (level+amx) or off, as the path says;
+    restored afterwards. Skips where Linux refuses this process the tile state."""
+    amx = path.endswith(AMX)
+    library = load_library(build_dir, path.removesuffix(AMX))
+    before = library.kvshare_panel_amx(-1)
+    try:
+        if library.kvshare_panel_amx(int(amx)) != int(amx):
+            pytest.skip("the CPU has AMX but Linux refused this process the tile state")
+        yield library
+    finally:
+        library.kvshare_panel_amx(before)
