@@ -29,7 +29,7 @@ sys.path.insert(0, str(HERE))
 HEAD_MAX_ROWS = 8  # the tied LM head (Q8_0) at decode row counts only
 
 
-def _per_call(fn, reps: int) -> float:
+def per_call(fn, reps: int) -> float:
     started = time.perf_counter()
     for _ in range(reps):
         fn()
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                     times = {key: [] for key in modules}
                     for _ in range(args.rounds):
                         for key, module in modules.items():
-                            times[key].append(_per_call(lambda m=module, x=x: m(x), reps))
+                            times[key].append(per_call(lambda m=module, x=x: m(x), reps))
                 flops = 2 * rows * weight.in_features * weight.out_features
                 this, base = (statistics.median(times[key]) for key in ("this", "base"))
                 print(

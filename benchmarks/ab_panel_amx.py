@@ -17,22 +17,12 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE))
-
-HEAD_MAX_ROWS = 8  # the tied LM head (Q8_0) at decode row counts only
-
-
-def _per_call(fn, reps: int) -> float:
-    started = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - started) / reps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import torch.nn.functional as F
+    from ab_block_linear import HEAD_MAX_ROWS, per_call
     from ab_native_step import build
     from block_kernels import HEAD, smollm2_block_weights
 
@@ -82,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(args.rounds):
                         for path in times:
                             library.kvshare_panel_amx(int(path == "amx"))
-                            times[path].append(_per_call(lambda x=x, m=module: m(x), reps))
+                            times[path].append(per_call(lambda x=x, m=module: m(x), reps))
                 library.kvshare_panel_amx(1)
                 flops = 2 * rows * weight.in_features * weight.out_features
                 amx, fma = (statistics.median(times[path]) for path in ("amx", "fma"))

@@ -707,17 +707,13 @@ KVSHARE_AMX_TARGET void amx_linear(const float* x, const uint8_t* weight, float*
   uint16_t* parts = part_buffer.data();
   float* sums = sum_buffer.data();
   const int64_t num_panels = out_features / kPanel;
+  // On the calling thread: a barrier inside the parallel region costs a time slice whenever
+  // the host deschedules one of the threads, and the split is a small part of the call.
+  split_rows<P>(x, parts, 0, rows, rows, in_features);
+  if constexpr (P::kHasMin) group_sums(x, sums, rows, in_features);
 #pragma omp parallel num_threads(num_threads)
   {
     const int64_t n = omp_get_num_threads(), t = omp_get_thread_num();
-    {
-      const int r0 = static_cast<int>(rows * t / n), r1 = static_cast<int>(rows * (t + 1) / n);
-      split_rows<P>(x, parts, r0, r1, rows, in_features);
-      if constexpr (P::kHasMin)
-        group_sums(x + r0 * int64_t{in_features}, sums + r0 * int64_t{groups}, r1 - r0,
-                   in_features);
-    }
-#pragma omp barrier
     const int64_t first = num_panels * t / n, last = num_panels * (t + 1) / n;
     const int row_tiles = (rows + kAmxRows - 1) / kAmxRows;
     const int64_t chunks = (last - first + kWidePanels - 1) / kWidePanels;
