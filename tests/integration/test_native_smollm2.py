@@ -19,12 +19,11 @@ from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.runtime.cpu.block_linear import BlockEmbedding, BlockLinear, GreedyHead
-from engine.runtime.cpu.capabilities import cpu_flags
 from engine.runtime.cpu.native import load_library
 from engine.runtime.cpu.quant_quality import TextScore, compare, score_text
 from engine.runtime.loader import iter_weights, kvshare_cache_dir, load_model, resolve_model_source
 from engine.runtime.model_runner import ModelRunner
-from tests.engine.runtime.kernel_paths import AMX_FLAGS
+from tests.engine.runtime.kernel_paths import amx_here
 
 pytestmark = [
     pytest.mark.integration,
@@ -111,7 +110,7 @@ def test_resident_weights_stay_near_the_gguf_files_size(native_model) -> None:
 
 
 # The panel kernels on the FMAs, and on AMX tiles where the CPU has them (KVSHARE_CPU_AMX=1).
-PANEL_PATHS = ["fma"] + (["amx"] if cpu_flags() >= AMX_FLAGS else [])
+PANEL_PATHS = ["fma"] + (["amx"] if amx_here() else [])
 
 
 @pytest.mark.parametrize("path", PANEL_PATHS)

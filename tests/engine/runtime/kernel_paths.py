@@ -4,11 +4,12 @@ on the tiles (KVSHARE_CPU_AMX=1's path, block_kernels.cpp "Panels on AMX tiles")
 
 from __future__ import annotations
 
+import ctypes
+import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
-
-import pytest
 
 from engine.runtime.cpu.capabilities import available_isa_levels, cpu_flags
 from engine.runtime.cpu.native import load_library
@@ -18,10 +19,20 @@ AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 AMX_LEVELS = ("native", "avx512")  # the builds with AVX-512, which carry the tile code
 
 
+@cache
+def amx_here() -> bool:
+    """The CPU has AMX bf16 and Linux gives this process the tile state (what the kernel
+    library asks before it takes the tiles: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA)."""
+    if not cpu_flags() >= AMX_FLAGS or platform.machine() != "x86_64":
+        return False
+    sys_arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18
+    return ctypes.CDLL(None).syscall(sys_arch_prctl, req_xcomp_perm, xtiledata) == 0
+
+
 def kernel_paths() -> list[str]:
-    """Each level, then level+amx for the AVX-512 levels where the CPU has AMX."""
+    """Each level, then level+amx for the AVX-512 levels where AMX runs here."""
     levels = list(available_isa_levels())
-    if cpu_flags() >= AMX_FLAGS:
+    if amx_here():
         levels += [level + AMX for level in levels if level in AMX_LEVELS]
     return levels
 
@@ -29,13 +40,12 @@ def kernel_paths() -> list[str]:
 @contextmanager
 def kernel_path(build_dir: Path, path: str) -> Iterator:
     """The library of `path`'s level with the tiles on (level+amx) or off, as the path says;
-    restored afterwards. Skips where Linux refuses this process the tile state."""
+    restored afterwards."""
     amx = path.endswith(AMX)
     library = load_library(build_dir, path.removesuffix(AMX))
     before = library.kvshare_panel_amx(-1)
     try:
-        if library.kvshare_panel_amx(int(amx)) != int(amx):
-            pytest.skip("the CPU has AMX but Linux refused this process the tile state")
+        assert library.kvshare_panel_amx(int(amx)) == int(amx), path
         yield library
     finally:
         library.kvshare_panel_amx(before)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine.runtime.cpu.block_linear import PANEL_FORMATS, BlockLinear, to_panels
-from engine.runtime.cpu.capabilities import _V4, AMX_ENV, available_isa_levels, cpu_flags, probe
+from engine.runtime.cpu.capabilities import _V4, AMX_ENV, available_isa_levels, probe
 from engine.runtime.cpu.native import load_library
-from tests.engine.runtime.kernel_paths import AMX, AMX_FLAGS, AMX_LEVELS, kernel_path
+from tests.engine.runtime.kernel_paths import AMX, AMX_FLAGS, AMX_LEVELS, amx_here, kernel_path
 from tests.engine.runtime.test_block_linear import (
     assert_close_to_reference,
     in_features_of,
@@ -24,7 +24,7 @@ from tests.engine.runtime.test_block_linear import (
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
 
-HAS_AMX = cpu_flags() >= AMX_FLAGS
+HAS_AMX = amx_here()
 AMX_PATHS = [level + AMX for level in available_isa_levels() if HAS_AMX and level in AMX_LEVELS]
 
 
