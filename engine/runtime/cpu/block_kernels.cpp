@@ -397,20 +397,25 @@ struct PanelQ8_0 {
 // bit-identical to the expanding path (tests/engine/runtime/test_block_linear.py).
 constexpr int kExpandRows = 64;
 
+// step(i, block) for the groups of panels [p, p + num) in memory order, i counting them from 0:
+// how a chunk's panels are expanded, for the FMAs (expand_panels) or the tiles.
+template <typename P, typename Step>
+void each_group(const uint8_t* weight, int64_t p, int num, int groups, Step&& step) {
+  const uint8_t* first = weight + p * int64_t{groups} * P::kBytes;
+  for (int64_t i = 0; i < int64_t{num} * groups; ++i) step(i, first + i * P::kBytes);
+}
+
 // A chunk's panels [p, p + num), expanded: per panel, group and code step, the lo and hi vectors.
 template <typename P>
 void expand_panels(const uint8_t* weight, int64_t p, int num, int groups, vfloat* expanded) {
-  const int64_t panel_bytes = int64_t{groups} * P::kBytes;
-  for (int c = 0; c < num; ++c)
-    for (int g = 0; g < groups; ++g) {
-      const uint8_t* block = weight + (p + c) * panel_bytes + int64_t{g} * P::kBytes;
-      vfloat* codes = expanded + (int64_t{c} * groups + g) * 2 * P::kSteps;
-      for (int j = 0; j < P::kSteps; ++j) {
-        const Codes w = P::codes(block + P::kCodes, j);
-        codes[2 * j] = w.lo;
-        codes[2 * j + 1] = w.hi;
-      }
+  each_group<P>(weight, p, num, groups, [&](int64_t i, const uint8_t* block) {
+    vfloat* codes = expanded + i * 2 * P::kSteps;
+    for (int j = 0; j < P::kSteps; ++j) {
+      const Codes w = P::codes(block + P::kCodes, j);
+      codes[2 * j] = w.lo;
+      codes[2 * j + 1] = w.hi;
     }
+  });
 }
 
 // out[r, 16 p + lane] for r < kRows. sums [rows, K / 32]: each row's group sums (read only with a
@@ -619,15 +624,12 @@ void split_rows(const float* x, uint16_t* parts, int r0, int r1, int rows, int i
 // Panels [p, p + num) as B tiles: per panel and group, 16 rows of 16 pairs (1 KB).
 template <typename P>
 void expand_panels_bf16(const uint8_t* weight, int64_t p, int num, int groups, uint16_t* tiles) {
-  const int64_t panel_bytes = int64_t{groups} * P::kBytes;
-  for (int c = 0; c < num; ++c)
-    for (int g = 0; g < groups; ++g) {
-      const uint8_t* block = weight + (p + c) * panel_bytes + int64_t{g} * P::kBytes;
-      for (int line = 0; line < P::kBytes; line += 64)
-        __builtin_prefetch(block + kPrefetchBytes + line, 0, 3);
-      uint16_t* tile = tiles + (int64_t{c} * groups + g) * 512;
-      for (int j = 0; j < P::kSteps; ++j) _mm512_store_si512(tile + 32 * j, P::pairs(block + P::kCodes, j));
-    }
+  each_group<P>(weight, p, num, groups, [&](int64_t i, const uint8_t* block) {
+    for (int line = 0; line < P::kBytes; line += 64)
+      __builtin_prefetch(block + kPrefetchBytes + line, 0, 3);
+    for (int j = 0; j < P::kSteps; ++j)
+      _mm512_store_si512(tiles + i * 512 + 32 * j, P::pairs(block + P::kCodes, j));
+  });
 }
 
 // Panel c of a chunk (c < num) in result tile C: zeroed, then B (that panel's group, into tile
