@@ -13,9 +13,9 @@ row count (layout, tiling and scheduling changes must), then prints each one's m
 call and GFLOP/s, and the ratio.
 
 With --amx the two sides are this tree's one library with its panels on AMX tiles and on the
-FMAs (KVSHARE_CPU_AMX=1's path and the default; block_kernels.cpp, "Panels on AMX tiles"),
-switched before each call. Those sum in different orders, so each is checked against F.linear
-on the dequantized weights instead (fp64, within 1e-5 of sum |x w|).
+FMAs (the paths of prompt and of generated tokens on such a CPU; block_kernels.cpp, "Panels on
+AMX tiles"), switched before each call. Those sum in different orders, so each is checked
+against F.linear on the dequantized weights instead (fp64, within 1e-5 of sum |x w|).
 """
 
 from __future__ import annotations

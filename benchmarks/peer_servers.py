@@ -132,7 +132,7 @@ def server_command(name: str, peers: Peers, port: int) -> tuple[list[str], str, 
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if name in peers.kvshare_variants:
         # A variant's NAME=VALUE words with an upper-case name are its environment
-        # (KVSHARE_CPU_AMX=1), the rest serve flags.
+        # (KVSHARE_CPU_AMX=0), the rest serve flags.
         words = peers.kvshare_variants[name]
         env = dict(w.split("=", 1) for w in words if ENV_WORD.match(w))
         flags = [w for w in words if not ENV_WORD.match(w)]

@@ -195,7 +195,7 @@ def _parse_args(argv):
         "--kvshare-variant", action="append", default=None, metavar="NAME=FLAGS",
         help="more kvshare servers: a name and extra serve flags after config/cpu.yaml, "
         "e.g. 'fp16=--quantization fp16', or environment settings, e.g. "
-        "'amx=KVSHARE_CPU_AMX=1' (repeatable)",
+        "'fmas=KVSHARE_CPU_AMX=0' (repeatable)",
     )  # fmt: skip
     parser.add_argument(
         "--peers",

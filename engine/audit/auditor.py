@@ -263,7 +263,11 @@ class Auditor:
             start, end = audit.num_computed_tokens, audit.num_computed_tokens + num_tokens
             block_ids = audit.private_block_ids[: self.kv.num_blocks_for(end)]
             token_ids = audit.hit.prompt_token_ids[start:end]
-            seqs.append(ScheduledSeq(audit.audit_id, token_ids, start, block_ids))
+            seqs.append(
+                ScheduledSeq(
+                    audit.audit_id, token_ids, start, block_ids, prompt_len=audit.num_prompt_tokens
+                )
+            )
             slots += [block_ids[pos // bs] * bs + pos % bs for pos in range(start, end)]
             if end == audit.num_prompt_tokens:
                 last.add(audit.audit_id)

@@ -56,6 +56,10 @@ class ScheduledSeq:
     # Speculative decoding: draft tokens after the last one (token_ids ends with them); the
     # runner samples at each of the 1 + len(draft) positions (engine/core/spec_ngram.py).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Positions before prompt_len hold the request's prompt, the rest tokens it generated: the
+    # runner may compute the two kinds on different kernel paths (model_runner.tile_rows), so a
+    # token's path depends on the token, never on the batch. 0: no prompt token known.
+    prompt_len: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -76,6 +76,7 @@ class StepBuilder:
                 seq.sample_spec() if is_last else None,
                 seq.prompt_logprobs_spec(start, end),
                 draft,
+                seq.num_prompt_tokens,
             )
         )
         self.output.slot_mapping.extend(slots)

@@ -24,6 +24,8 @@ from engine.core.spec_ngram import verify_specs
 from engine.runtime.attention.base import AttentionMetadata
 from engine.runtime.attention.select import get_attention_backend
 from engine.runtime.cpu.allocator import keep_temporaries_on_heap, zeros_on_huge_pages
+from engine.runtime.cpu.block_linear import BlockLinear
+from engine.runtime.cpu.capabilities import cpu_capabilities
 from engine.runtime.cpu.decode_step import NativeDecodeStep
 from engine.runtime.cpu.fused import CpuFusedOps
 from engine.runtime.cpu.linear import can_pack
@@ -80,8 +82,11 @@ class StepInputs:
     sample_specs: list[SampleSpec]
 
 
-def prepare_inputs(sched_out: SchedulerOutput, device: torch.device) -> StepInputs:
-    """Flatten a SchedulerOutput into tensors with a single host-to-device transfer."""
+def prepare_inputs(
+    sched_out: SchedulerOutput, device: torch.device, tile_prompts: bool = False
+) -> StepInputs:
+    """Flatten a SchedulerOutput into tensors with a single host-to-device transfer;
+    tile_prompts: the prompt tokens' projections run on AMX tiles (meta.tile_rows)."""
     seqs = sched_out.seqs
     input_ids: list[int] = []
     positions: list[int] = []
@@ -112,8 +117,28 @@ def prepare_inputs(sched_out: SchedulerOutput, device: torch.device) -> StepInpu
         max_query_len=max(seq.num_tokens for seq in seqs),
         query_start_loc_host=query_start_loc,
         seq_lens_host=seq_lens,
+        tile_rows=tile_rows(seqs) if tile_prompts else None,
     )
     return StepInputs(ids, pos, meta, logits_rows, [i for i, _ in sampled], [s for _, s in sampled])
+
+
+def tile_rows(seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+    """[T] int32: 1 for a prompt token's row (position < its prompt_len), 0 for a generated
+    token's; None when the step has no prompt token.
+
+    Why by the token: on an AMX Xeon the panel kernels run a prefill chunk about 2x faster on the
+    tiles than on the FMAs, but a lone decode row 1.7x slower (block_kernels.cpp, "Panels on AMX
+    tiles"), and the two paths give different bits. Choosing by the batch (its size, its mix of
+    prefill and decode) would make a request's text depend on what else runs; choosing by the
+    token does not: a prompt token takes the tiles and a generated one the FMAs in every batch,
+    a recomputed one (preemption) as when first computed. One trade: a finished answer reused as
+    the next turn's cached prompt holds the FMAs' KV where recomputing it would give the tiles'
+    (within float32 rounding; the audit counts it as drift, never as pollution)."""
+    rows: list[int] = []
+    for seq in seqs:
+        prompt = min(max(seq.prompt_len - seq.start_pos, 0), seq.num_tokens)
+        rows += [1] * prompt + [0] * (seq.num_tokens - prompt)
+    return torch.tensor(rows, dtype=torch.int32) if any(rows) else None
 
 
 def _row_specs(seq: ScheduledSeq) -> list[SampleSpec]:
@@ -156,6 +181,13 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self._load_model()
+        # Prompt tokens on AMX tiles where the model's projections are GGUF blocks and the CPU
+        # has the tiles (capabilities.py, amx; the kernels keep the FMAs where the OS refuses).
+        self.tile_prompts = (
+            self.device.type == "cpu"
+            and cpu_capabilities().amx
+            and any(isinstance(m, BlockLinear) for m in self.model.modules())
+        )
         if self.device.type == "cpu":  # after loading: weights keep their own mappings
             keep_temporaries_on_heap()
         self.attn_backend = get_attention_backend(
@@ -196,7 +228,7 @@ class ModelRunner:
         self._check_seqs(sched_out.seqs)
         if self.graph_runner is not None and self.graph_runner.can_replay(sched_out):
             return self._execute_graph(sched_out)
-        inputs = prepare_inputs(sched_out, self.device)
+        inputs = prepare_inputs(sched_out, self.device, self.tile_prompts)
         meta = inputs.meta
         # Only the sampled rows' hidden states are read unless prompt positions are scored:
         # the model may then skip the rest past the last K/V store.
@@ -267,7 +299,7 @@ class ModelRunner:
         sampling); return the last-token logits row ([V] float32) of each chunk whose
         seq_id is in logits_seq_ids."""
         self._check_seqs(sched_out.seqs)
-        inputs = prepare_inputs(sched_out, self.device)
+        inputs = prepare_inputs(sched_out, self.device, self.tile_prompts)
         ends = inputs.meta.query_start_loc_host[1:]
         wanted = [i for i, seq in enumerate(sched_out.seqs) if seq.seq_id in logits_seq_ids]
         (rows,) = split_to_device([[ends[i] - 1 for i in wanted]], self.device)

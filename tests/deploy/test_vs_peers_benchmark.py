@@ -115,10 +115,10 @@ def test_kvshare_runs_the_serve_config_with_its_flags():
 
 
 def test_a_kvshare_variants_upper_case_settings_are_its_environment():
-    peers = Peers(kvshare_variants={"amx": ["KVSHARE_CPU_AMX=1", "--max-num-seqs", "8"]})
-    command, _, env = server_command("amx", peers, 9003)
-    assert env == {"KVSHARE_CPU_AMX": "1"}
-    assert command[-2:] == ["--max-num-seqs", "8"] and "KVSHARE_CPU_AMX=1" not in command
+    peers = Peers(kvshare_variants={"fmas": ["KVSHARE_CPU_AMX=0", "--max-num-seqs", "8"]})
+    command, _, env = server_command("fmas", peers, 9003)
+    assert env == {"KVSHARE_CPU_AMX": "0"}
+    assert command[-2:] == ["--max-num-seqs", "8"] and "KVSHARE_CPU_AMX=0" not in command
 
 
 def _run(server, workload, concurrency, tok_s, ttft_s, tpot_s, failed=0):

@@ -19,6 +19,7 @@ from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.runtime.cpu.block_linear import BlockEmbedding, BlockLinear, GreedyHead
+from engine.runtime.cpu.capabilities import cpu_capabilities
 from engine.runtime.cpu.native import load_library
 from engine.runtime.cpu.quant_quality import TextScore, compare, score_text
 from engine.runtime.loader import iter_weights, kvshare_cache_dir, load_model, resolve_model_source
@@ -38,11 +39,17 @@ NUM_TOKENS = 600
 BOUNDS = {"native": (0.995, 1.002), "q8_0": (0.97, 1.03)}
 
 
-def score(mode: str, token_ids: list[int]) -> TextScore:
+# The text read as a prompt, and (where prompt tokens take the AMX tiles, model_runner.tile_rows)
+# as generated tokens, on the FMAs.
+READINGS = ["prompt"] + (["generated"] if cpu_capabilities().amx and amx_here() else [])
+
+
+def score(mode: str, token_ids: list[int], reading: str = "prompt") -> TextScore:
     config = EngineConfig(
         dtype="float32", device="cpu", quantization=mode, num_kv_blocks=64, num_threads=2
     )
-    return score_text(ModelRunner(config), token_ids, chunk_tokens=128)
+    runner = ModelRunner(config)
+    return score_text(runner, token_ids, chunk_tokens=128, as_prompt=reading == "prompt")
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +64,11 @@ def native_model():
     return load_model(config, CPU, torch.float32).model
 
 
+@pytest.mark.parametrize("reading", READINGS)
 @pytest.mark.parametrize("mode", sorted(BOUNDS))
-def test_block_modes_track_the_exact_model(mode: str, token_ids) -> None:
+def test_block_modes_track_the_exact_model(mode: str, reading: str, token_ids) -> None:
     min_agreement, max_ratio = BOUNDS[mode]
-    agreement = compare(score("none", token_ids), score(mode, token_ids))
+    agreement = compare(score("none", token_ids), score(mode, token_ids, reading))
     assert agreement.num_positions == NUM_TOKENS - 1
     assert agreement.top1_agreement >= min_agreement, agreement
     assert agreement.perplexity_ratio <= max_ratio, agreement
@@ -109,20 +117,18 @@ def test_resident_weights_stay_near_the_gguf_files_size(native_model) -> None:
     assert sum(blocks.values()) + dense <= 1.25 * gguf_bytes
 
 
-# The panel kernels on the FMAs, and on AMX tiles where the CPU has them (KVSHARE_CPU_AMX=1).
-PANEL_PATHS = ["fma"] + (["amx"] if amx_here() else [])
+# Every token on the FMAs, and (where the CPU has AMX: the default there) the prompt tokens on
+# AMX tiles with the generated ones on the FMAs (model_runner.tile_rows).
+PANEL_PATHS = ["fmas"] + (["prompts-on-tiles"] if amx_here() else [])
 
 
 @pytest.mark.parametrize("path", PANEL_PATHS)
 def test_a_seeded_request_is_the_same_alone_and_in_a_crowd_of_8(prompts, path: str) -> None:
     config = EngineConfig(dtype="float32", quantization="native", num_kv_blocks=256, max_num_seqs=8)
-    library = load_library(kvshare_cache_dir(config) / "kernels")  # the one the engine loads
-    before = library.kvshare_panel_amx(-1)
-    try:
-        assert library.kvshare_panel_amx(int(path == "amx")) == int(path == "amx")
-        check_alone_and_in_a_crowd(LLMEngine(config), prompts)
-    finally:
-        library.kvshare_panel_amx(before)
+    engine = LLMEngine(config)
+    assert engine.runner.tile_prompts == cpu_capabilities().amx
+    engine.runner.tile_prompts = path == "prompts-on-tiles"
+    check_alone_and_in_a_crowd(engine, prompts)
 
 
 def check_alone_and_in_a_crowd(engine: LLMEngine, prompts) -> None:

@@ -33,6 +33,10 @@ class AttentionMetadata:
     # Host copies (python ints) so the CPU path can loop over prefills without device syncs.
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
+    # [T] int32, each token's projection path where the model's are GGUF blocks: 1 on AMX tiles
+    # (a prompt token, where the runner puts those there: model_runner.tile_rows), 0 on the
+    # FMAs; None: every row on the kernels' default path (the FMAs).
+    tile_rows: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

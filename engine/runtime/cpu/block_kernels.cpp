@@ -526,15 +526,18 @@ void group_sums(const float* x, float* sums, int rows, int in_features) {
 // then parts 1, 2, 3), times d into the running sum, then m times the row's group sum, as the
 // FMA path does. A tile's row of results depends only on that row's activations and the panel
 // (checked at 1, 3 and 16 rows), so a row's output is bit-identical at every row count and
-// every tile shape: batch invariance by construction, as before. AMX gives different bits from
-// the FMA path, so a process uses one or the other for all its rows (kvshare_panel_amx).
+// every tile shape: batch invariance by construction, as before. AMX gives other bits than the
+// FMA path, so which path a row takes must never depend on the batch it is in: the caller says
+// per row (kvshare_block_linear_rows), and the engine decides by the token alone.
 //
-// Off unless asked for (KVSHARE_CPU_AMX=1, engine/runtime/cpu/capabilities.py). On a 2-core AMX
-// Xeon a 512-token prefill chunk ran 1.8-2x faster than on the FMAs, a batch-8 decode step as
-// fast, but a lone decode row 1.7x slower: one row uses a sixteenth of a tile op while its B
-// tile must still be built in memory (a store per 32 weights) and read back, where the FMA path
-// consumes the codes in registers (benchmarks/README.md, seventeenth round). As the path must be
-// the same at every row count, it stays a choice for prefill-heavy serving.
+// On a 2-core AMX Xeon a 512-token prefill chunk ran 1.8-2x faster than on the FMAs, a batch-8
+// decode step as fast, but a lone decode row 1.7x slower: one row uses a sixteenth of a tile op
+// while its B tile must still be built in memory (a store per 32 weights) and read back, where
+// the FMA path consumes the codes in registers (benchmarks/README.md, seventeenth round). So the
+// engine puts a request's prompt tokens on the tiles and the tokens it generates on the FMAs
+// (engine/runtime/model_runner.py, tile_rows; KVSHARE_CPU_AMX=0 keeps every row on the FMAs).
+// Calls that do not say (kvshare_block_linear, the greedy head) take the process's default,
+// the FMAs unless kvshare_panel_amx turned the tiles on (tests and benchmarks do).
 //
 // Layout: B, one panel's group, is 16 rows (code steps j) of 16 pairs (columns), pair c of row j
 // being (lo code j, hi code j) of column c as bf16; A, one group of a row's part, holds at pair j
@@ -560,7 +563,7 @@ bool amx_supported() {
   return supported;
 }
 
-std::atomic<bool> amx_enabled{false};  // off unless asked for (kvshare_panel_amx)
+std::atomic<bool> amx_enabled{false};  // the default path: FMAs unless asked (kvshare_panel_amx)
 
 inline bool amx_active() { return amx_enabled.load(std::memory_order_relaxed) && amx_supported(); }
 
@@ -764,14 +767,18 @@ KVSHARE_AMX_TARGET void amx_panel_row(const float* x, const uint8_t* weight, flo
 }
 #else
 inline bool amx_active() { return false; }
+inline bool amx_supported() { return false; }
 #endif
 
+// tiles: on AMX tiles where this process has them (amx_supported), else on the FMAs.
 template <typename P>
 void panel_linear(const float* x, const uint8_t* weight, float* out, int rows, int in_features,
-                  int64_t out_features, int num_threads, const Companion* companion) {
+                  int64_t out_features, int num_threads, const Companion* companion, bool tiles) {
 #if defined(__AVX512F__) && defined(__x86_64__)
-  if (amx_active())
+  if (tiles && amx_supported())
     return amx_linear<P>(x, weight, out, rows, in_features, out_features, num_threads, companion);
+#else
+  (void)tiles;
 #endif
   // The group sums live as long as the call; reused across calls (no allocation per step).
   thread_local std::vector<float> sums;
@@ -1107,18 +1114,15 @@ int with_format(int format, Run&& run) {
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// 0 on success; 1 for an unknown format; 2 when in_features is not a whole number of blocks.
-int kvshare_block_linear(int format, const float* x, const uint8_t* weight, float* out, int rows,
-                         int in_features, int64_t out_features, int num_threads) {
+// One call's rows on one path (see kvshare_block_linear_rows).
+int linear_on(int format, const float* x, const uint8_t* weight, float* out, int rows,
+              int in_features, int64_t out_features, int num_threads,
+              const Companion* companion, bool tiles) {
   if (format > kPanelCode) {
     if (in_features % 32 || out_features % kPanel) return 2;
     return with_panel_format(format, [&](auto tag) {
       panel_linear<decltype(tag)>(x, weight, out, rows, in_features, out_features, num_threads,
-                                  nullptr);
+                                  companion, tiles);
       return 0;
     });
   }
@@ -1130,22 +1134,60 @@ int kvshare_block_linear(int format, const float* x, const uint8_t* weight, floa
   });
 }
 
-// kvshare_block_linear, asking for `count` ranges of `bytes` bytes at `starts` while it computes
-// (panel formats; see Companion).
+// The rows in runs of one path each: tile_rows[r] 1 puts row r's panels on AMX tiles (where this
+// process has them), 0 on the FMAs; nullptr: every row on the process's default path
+// (kvshare_panel_amx). A row's output depends only on the row and its path, so a run computes
+// its rows as the whole call would. The last run asks for the companion's ranges (in a step,
+// the prompt rows after the decode rows: the long run).
+int linear_by_rows(int format, const float* x, const uint8_t* weight, float* out, int rows,
+                   int in_features, int64_t out_features, int num_threads,
+                   const Companion* companion, const int32_t* tile_rows) {
+  if (tile_rows == nullptr)
+    return linear_on(format, x, weight, out, rows, in_features, out_features, num_threads,
+                     companion, amx_active());
+  for (int r0 = 0; r0 < rows;) {
+    int r1 = r0 + 1;
+    while (r1 < rows && (tile_rows[r1] != 0) == (tile_rows[r0] != 0)) ++r1;
+    const int status =
+        linear_on(format, x + int64_t{r0} * in_features, weight, out + int64_t{r0} * out_features,
+                  r1 - r0, in_features, out_features, num_threads,
+                  r1 == rows ? companion : nullptr, tile_rows[r0] != 0);
+    if (status) return status;
+    r0 = r1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0 on success; 1 for an unknown format; 2 when in_features is not a whole number of blocks.
+// Every row on the process's default path (kvshare_panel_amx).
+int kvshare_block_linear(int format, const float* x, const uint8_t* weight, float* out, int rows,
+                         int in_features, int64_t out_features, int num_threads) {
+  return linear_by_rows(format, x, weight, out, rows, in_features, out_features, num_threads,
+                        nullptr, nullptr);
+}
+
+// kvshare_block_linear with each row's path given: tile_rows [rows], 1 for AMX tiles (where
+// this process has them; the panel formats), 0 for the FMAs; nullptr for the default path.
+int kvshare_block_linear_rows(int format, const float* x, const uint8_t* weight, float* out,
+                              int rows, int in_features, int64_t out_features, int num_threads,
+                              const int32_t* tile_rows) {
+  return linear_by_rows(format, x, weight, out, rows, in_features, out_features, num_threads,
+                        nullptr, tile_rows);
+}
+
+// kvshare_block_linear_rows, asking for `count` ranges of `bytes` bytes at `starts` while it
+// computes (panel formats; see Companion).
 int kvshare_block_linear_asking(int format, const float* x, const uint8_t* weight, float* out,
                                 int rows, int in_features, int64_t out_features, int num_threads,
-                                const char* const* starts, int64_t count, int64_t bytes) {
-  if (format > kPanelCode) {
-    if (in_features % 32 || out_features % kPanel) return 2;
-    const Companion companion{starts, count, bytes};
-    return with_panel_format(format, [&](auto tag) {
-      panel_linear<decltype(tag)>(x, weight, out, rows, in_features, out_features, num_threads,
-                                  &companion);
-      return 0;
-    });
-  }
-  return kvshare_block_linear(format, x, weight, out, rows, in_features, out_features,
-                              num_threads);
+                                const int32_t* tile_rows, const char* const* starts,
+                                int64_t count, int64_t bytes) {
+  const Companion companion{starts, count, bytes};
+  return linear_by_rows(format, x, weight, out, rows, in_features, out_features, num_threads,
+                        &companion, tile_rows);
 }
 
 // ids [rows] = each row's greedy token under a Q8_0 panel head (see greedy_head), *computed the
@@ -1164,10 +1206,11 @@ int kvshare_greedy_head(int format, const float* x, const uint8_t* weight, const
 // beats the full head; 0 where it runs the plain loops.
 int kvshare_greedy_head_fast() { return greedy_fast() ? 1 : 0; }
 
-// The panel formats on AMX tiles: `enable` 1 turns them on where the CPU and the OS allow, 0
-// off (the FMA path), -1 leaves them; returns 1 when they are on. Off by default (native.py
-// asks for them under KVSHARE_CPU_AMX=1). The two paths give different bits, so a process
-// switches only between calls, never while a model serves.
+// The default path of calls that do not give each row's (kvshare_block_linear, the greedy
+// head): `enable` 1 puts the panel formats on AMX tiles where the CPU and the OS allow, 0 on the
+// FMAs, -1 leaves it; returns 1 when the tiles are the default. The FMAs unless asked (tests and
+// benchmarks ask; the engine gives each row's path instead). The two paths give different bits:
+// switch only between calls, never while a model serves.
 int kvshare_panel_amx(int enable) {
 #if defined(__AVX512F__) && defined(__x86_64__)
   if (enable >= 0) amx_enabled.store(enable != 0);

@@ -117,19 +117,26 @@ class BlockLinear(nn.Module):
         self.block_weight = weight
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bias = None if bias is None else bias.detach().float()
-        self._run = library.kvshare_block_linear
+        self._run = library.kvshare_block_linear_rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [N, in_features] -> [N, out_features]
+    def forward(self, x: torch.Tensor, tile_rows: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [N, in_features] -> [N, out_features]; tile_rows: [N] int32, each row's path
+        # (1 AMX tiles where this process has them, 0 FMAs; AttentionMetadata.tile_rows), or
+        # None: the library's default path
         x = x.contiguous().float()
         rows = x.shape[0]
+        if tile_rows is not None and (tile_rows.shape != (rows,) or tile_rows.dtype != torch.int32):
+            raise ValueError(
+                f"tile_rows must be int32 [{rows}], not {tile_rows.dtype} {tile_rows.shape}"
+            )
         out = torch.empty((rows, self.out_features), dtype=torch.float32)
         status = self._run(
             self.block_weight.code, x.data_ptr(), self.block_weight.data.data_ptr(),
             out.data_ptr(), rows, self.in_features, self.out_features, torch.get_num_threads(),
+            None if tile_rows is None else tile_rows.data_ptr(),
         )  # fmt: skip
         if status != 0:
-            raise RuntimeError(f"kvshare_block_linear failed with status {status}")
+            raise RuntimeError(f"kvshare_block_linear_rows failed with status {status}")
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

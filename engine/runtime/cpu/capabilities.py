@@ -10,11 +10,12 @@ Three answers differ between the x86-64 CPUs kvshare runs on:
   (x86-64-v4: avx512f, bw, vl, dq, cd), "avx2" (x86-64-v3: avx2, fma, bmi1/2, f16c, movbe,
   lzcnt), "baseline" (x86-64-v2: sse4_2, popcnt, ...), or "native" off x86-64 or without those
   flags, where only the compiler's own -march=native is offered.
-- amx: whether quantization native's panel kernels multiply on AMX tiles (amx_tile and amx_bf16
-  in the flags, Intel Xeons from Sapphire Rapids on, and asked for: KVSHARE_CPU_AMX=1), at
-  every row count; the kernel library also asks Linux for the tile state and keeps the FMA path
-  where it is refused (engine/runtime/cpu/block_kernels.cpp, "Panels on AMX tiles": prefill
-  about 2x faster, a lone decode row 1.7x slower, so not by default).
+- amx: whether quantization native's panel kernels multiply a request's prompt tokens on AMX
+  tiles (amx_tile and amx_bf16 in the flags, Intel Xeons from Sapphire Rapids on); the tokens it
+  generates stay on the FMAs (engine/runtime/model_runner.py, tile_rows: prefill about 2x
+  faster on the tiles, a lone decode row 1.7x slower). The kernel library also asks Linux for
+  the tile state and keeps the FMA path where it is refused (block_kernels.cpp, "Panels on AMX
+  tiles").
 
 Three environment variables choose another path than the default one, to run (or test) it on a CPU
 that has the better one, or to step around a fast path that misbehaves:
@@ -24,7 +25,7 @@ that has the better one, or to step around a fast path that misbehaves:
   of -march=native. A level above this CPU's is ignored with a warning: its code would stop on
   an illegal instruction.
 - KVSHARE_CPU_BF16_LINEAR=0 never packs bfloat16 linears; they run on F.linear.
-- KVSHARE_CPU_AMX=1 puts the panel kernels on AMX tiles where the CPU has them (see amx).
+- KVSHARE_CPU_AMX=0 keeps every row of the panel kernels on the FMAs (see amx).
 
 All are read when cpu_capabilities() first runs (it is cached; tests clear the cache).
 """
@@ -47,7 +48,6 @@ BF16_LINEAR_ENV = "KVSHARE_CPU_BF16_LINEAR"
 AMX_ENV = "KVSHARE_CPU_AMX"
 _AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 _OFF = ("0", "false", "no", "off")
-_ON = ("1", "true", "yes", "on")
 
 # x86-64 vector levels, best first, with the /proc/cpuinfo flags each needs: all of what
 # -march=x86-64-v4 / -v3 / -v2 let the compiler use (the portable builds already use BMI2's
@@ -68,8 +68,8 @@ class CpuCapabilities:
     isa: "avx512" | "avx2" | "baseline" | "native" (the detected level, or a forced lower one).
     bf16_linear: oneDNN packs and runs bf16 linears (False when forced off).
     kernel_isa: the level the native kernels are built for: "native", or the forced level.
-    amx: the panel kernels run on AMX tiles (KVSHARE_CPU_AMX=1 on a CPU that has them; the
-    AVX-512 builds use them, lower levels never).
+    amx: the panel kernels run prompt tokens on AMX tiles (a CPU that has them, unless
+    KVSHARE_CPU_AMX=0; the AVX-512 builds use them, lower levels never).
     """
 
     isa: str
@@ -119,12 +119,12 @@ def probe(
     forced = _forced_isa(environ.get(ISA_ENV, ""), detected)
     bf16 = _onednn_bf16_supported() if bf16_supported is None else bf16_supported
     bf16_off = environ.get(BF16_LINEAR_ENV, "").strip().lower() in _OFF
-    amx_on = environ.get(AMX_ENV, "").strip().lower() in _ON
+    amx_off = environ.get(AMX_ENV, "").strip().lower() in _OFF
     return CpuCapabilities(
         isa=forced or detected,
         bf16_linear=bf16 and not bf16_off,
         kernel_isa=forced or "native",
-        amx=flags >= _AMX_FLAGS and amx_on,
+        amx=flags >= _AMX_FLAGS and not amx_off,
     )
 
 

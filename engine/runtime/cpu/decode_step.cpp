@@ -17,11 +17,13 @@
 #include <vector>
 
 extern "C" {
-int kvshare_block_linear(int format, const float* x, const uint8_t* weight, float* out, int rows,
-                         int in_features, int64_t out_features, int num_threads);
+int kvshare_block_linear_rows(int format, const float* x, const uint8_t* weight, float* out,
+                              int rows, int in_features, int64_t out_features, int num_threads,
+                              const int32_t* tile_rows);
 int kvshare_block_linear_asking(int format, const float* x, const uint8_t* weight, float* out,
                                 int rows, int in_features, int64_t out_features, int num_threads,
-                                const char* const* starts, int64_t count, int64_t bytes);
+                                const int32_t* tile_rows, const char* const* starts,
+                                int64_t count, int64_t bytes);
 int kvshare_rms_norm(int dtype, const void* x, const void* weight, void* out, int64_t rows,
                      int dim, float eps, int num_threads);
 int kvshare_add_rms_norm(int dtype, void* x, const void* delta, const void* weight, void* out,
@@ -66,9 +68,11 @@ struct Layer {
 constexpr int kLayerFields = 8;
 constexpr int kLayerFormats = 4;  // qkv, o, gate_up, down
 
-// The step's activations: every buffer [tokens, *] fp32, owned by the caller.
+// The step's activations: every buffer [tokens, *] fp32, owned by the caller; tile_rows
+// [tokens]: each row's projection path (block_kernels.cpp, kvshare_block_linear_rows), or null.
 struct Buffers {
   float *normed, *qkv, *q, *attn, *delta, *gate_up, *act;
+  int32_t* tile_rows;
 };
 
 Layer layer_at(const int64_t* table, int i) {
@@ -84,7 +88,8 @@ int project_and_store(const Dims& d, const Layer& w, const int32_t* formats, con
                       const float* cos, const float* sin, const int64_t* slots, int threads) {
   const int T = static_cast<int>(d.tokens), E = static_cast<int>(d.hidden);
   const int64_t qkv_width = (d.heads + 2 * d.kv_heads) * d.head_dim;
-  int status = kvshare_block_linear(formats[0], b.normed, w.qkv, b.qkv, T, E, qkv_width, threads);
+  int status = kvshare_block_linear_rows(formats[0], b.normed, w.qkv, b.qkv, T, E, qkv_width,
+                                         threads, b.tile_rows);
   if (status) return status;
   status = kvshare_rope_store(kFloat32, static_cast<int>(d.kv_dtype), b.qkv, qkv_width, cos, sin,
                               slots, b.q, w.k_cache, w.v_cache, T, d.heads, d.kv_heads,
@@ -105,7 +110,8 @@ int attend_and_project(const Dims& d, const Layer& w, const int32_t* formats, co
       b.attn, rows, d.heads, d.kv_heads, d.head_dim, d.block_size, d.max_blocks, scale, threads,
       warm);
   if (status) return 20 + status;
-  return kvshare_block_linear(formats[1], b.attn, w.o, b.delta, rows, q_width, E, threads);
+  return kvshare_block_linear_rows(formats[1], b.attn, w.o, b.delta, rows, q_width, E, threads,
+                                   b.tile_rows);
 }
 
 // The K and V blocks the next layer's attention will read (`next`'s caches): each sequence's
@@ -147,12 +153,13 @@ int mlp(const Dims& d, const Layer& w, const int32_t* formats, const Buffers& b,
   const int I = static_cast<int>(d.inter);
   const int64_t count = static_cast<int64_t>(next.starts.size()), split = count * 2 / 3;
   int status = kvshare_block_linear_asking(formats[2], b.normed, w.gate_up, b.gate_up, T, E,
-                                           2 * d.inter, threads, next.starts.data(), split,
-                                           next.bytes);
+                                           2 * d.inter, threads, b.tile_rows,
+                                           next.starts.data(), split, next.bytes);
   if (status) return status;
   kvshare_silu_mul(kFloat32, b.gate_up, b.act, T, I, threads);
   return kvshare_block_linear_asking(formats[3], b.act, w.down, b.delta, T, I, E, threads,
-                                     next.starts.data() + split, count - split, next.bytes);
+                                     b.tile_rows, next.starts.data() + split, count - split,
+                                     next.bytes);
 }
 
 // Moves rows keep[0] < keep[1] < ... of a [*, width] buffer to rows 0, 1, ... (in place: each
@@ -169,24 +176,26 @@ extern "C" {
 
 // hidden [T, E]: the embedded tokens in, the residual stream out; out [T, E]: the final-normed
 // rows (LlamaForCausalLM.forward's result). buffers: 7 addresses (normed, qkv, q, attn, delta,
-// gate_up, act). keep: -1, or the rows whose final-normed row is wanted, strictly increasing
+// gate_up, act). tile_rows: null, or [T] each row's projection path (1 AMX tiles, 0 FMAs; see
+// kvshare_block_linear_rows), compacted with the kept rows. keep: -1, or the rows whose final-normed row is wanted, strictly increasing
 // (keep_rows of them): the last layer then stores every row's K/V but runs its attention,
 // output projection and MLP on those rows only, and out [keep_rows, E] holds them in that order
 // (each op computes a row alone, so a kept row has the bits it has in the whole step; hidden and
-// block_tables/seq_lens are compacted in place). 0 on success; otherwise the failing op's
+// block_tables/seq_lens/tile_rows are compacted in place). 0 on success; otherwise the failing op's
 // status (block_linear's 1-2, rope store's + 10, paged decode's + 20), at the layer
 // 100 * (layer + 1) adds; 3: keep not strictly increasing within [0, T).
 int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int32_t* formats,
                           const int64_t* buffers, float* hidden, float* out, const float* cos,
                           const float* sin, const int64_t* slots, int32_t* block_tables,
-                          int32_t* seq_lens, const int64_t* keep, int64_t keep_rows,
+                          int32_t* seq_lens, int32_t* tile_rows, const int64_t* keep,
+                          int64_t keep_rows,
                           const float* final_norm, float eps, float scale, int threads) {
   const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5],
                dims[6], dims[7], dims[8], dims[9], dims[10]};
   const Buffers b{reinterpret_cast<float*>(buffers[0]), reinterpret_cast<float*>(buffers[1]),
                   reinterpret_cast<float*>(buffers[2]), reinterpret_cast<float*>(buffers[3]),
                   reinterpret_cast<float*>(buffers[4]), reinterpret_cast<float*>(buffers[5]),
-                  reinterpret_cast<float*>(buffers[6])};
+                  reinterpret_cast<float*>(buffers[6]), tile_rows};
   const int E = static_cast<int>(d.hidden);
   const bool trim = keep_rows >= 0;
   for (int64_t j = 0; trim && j < keep_rows; ++j)
@@ -207,6 +216,7 @@ int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int3
       compact_rows(hidden, d.hidden, keep, keep_rows);
       compact_rows(block_tables, d.max_blocks, keep, keep_rows);
       compact_rows(seq_lens, 1, keep, keep_rows);
+      if (tile_rows != nullptr) compact_rows(tile_rows, 1, keep, keep_rows);
       rows = static_cast<int>(keep_rows);
       if (rows == 0) return 0;
     }

@@ -117,11 +117,17 @@ class NativeDecodeStep:
         tables, seq_lens = _token_tables(meta, num_tokens)
         if int(tables.max()) >= num_blocks or meta.max_seq_len > tables.shape[1] * block_size:
             return None
+        tile_rows = meta.tile_rows
+        if tile_rows is not None and (
+            tile_rows.shape != (num_tokens,) or tile_rows.dtype != torch.int32
+        ):
+            return None
         keep, num_keep = _NO_ROWS, -1
         if output_rows is not None and len(output_rows) < num_tokens:
             # The kernel compacts the kept rows' tables in place: never the step's own.
             keep, num_keep = output_rows.to(torch.int64).contiguous(), len(output_rows)
             tables, seq_lens = tables.clone(), seq_lens.clone()
+            tile_rows = None if tile_rows is None else tile_rows.clone()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         rotary = self._model.rotary
         cos, sin = rotary.cos[positions].contiguous(), rotary.sin[positions].contiguous()
@@ -138,8 +144,9 @@ class NativeDecodeStep:
             dims.data_ptr(), layer_table.data_ptr(), self._formats.data_ptr(),
             bucket.addresses.data_ptr(), hidden.data_ptr(), out.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(),
-            keep.data_ptr(), num_keep, self._model.model.norm.weight.data_ptr(),
-            spec.rms_norm_eps, spec.head_dim**-0.5, torch.get_num_threads(),
+            None if tile_rows is None else tile_rows.data_ptr(), keep.data_ptr(), num_keep,
+            self._model.model.norm.weight.data_ptr(), spec.rms_norm_eps, spec.head_dim**-0.5,
+            torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"native decode step failed with status {status}")

@@ -113,16 +113,7 @@ def _load_library(build_dir: Path, isa: str) -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as exc:  # unwritable dir, bad CXX, bad .so
         raise NativeBuildError(f"cannot build or load the kernel with {compiler!r}: {exc}") from exc
     _declare(library)
-    _choose_paths(library)
     return library
-
-
-def _choose_paths(library: ctypes.CDLL) -> None:
-    """Tell a freshly loaded library what the probe allows: the panel kernels on AMX tiles or
-    not (the library keeps them off where its build, the CPU or the OS cannot)."""
-    library.kvshare_panel_amx.restype = ctypes.c_int
-    library.kvshare_panel_amx.argtypes = [ctypes.c_int]
-    library.kvshare_panel_amx(int(capabilities.cpu_capabilities().amx))
 
 
 def build_prebuilt(directory: Path, levels: tuple[str, ...] = PREBUILT_LEVELS) -> list[Path]:
@@ -180,7 +171,6 @@ def _load_prebuilt(isa: str) -> ctypes.CDLL:
     except OSError as exc:
         raise NativeBuildError(f"cannot load the prebuilt kernel {found}: {exc}") from exc
     _declare(library)
-    _choose_paths(library)
     logger.info("no C++ compiler here: using the prebuilt native CPU kernels %s", found)
     return library
 
@@ -257,6 +247,10 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvshare_gemv.argtypes = [int_, ptr, ptr, ptr, int_, int_, long_, int_]
     library.kvshare_block_linear.restype = int_
     library.kvshare_block_linear.argtypes = [int_, ptr, ptr, ptr, int_, int_, long_, int_]
+    library.kvshare_block_linear_rows.restype = int_
+    library.kvshare_block_linear_rows.argtypes = [int_, ptr, ptr, ptr, int_, int_, long_, int_, ptr]
+    library.kvshare_panel_amx.restype = int_
+    library.kvshare_panel_amx.argtypes = [int_]
     library.kvshare_block_rows.restype = int_
     library.kvshare_block_rows.argtypes = [int_, ptr, ptr, ptr, int_, int_]
     library.kvshare_greedy_head.restype = int_
@@ -266,4 +260,4 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvshare_greedy_head_fast.restype = int_
     library.kvshare_greedy_head_fast.argtypes = []
     library.kvshare_decode_layers.restype = int_
-    library.kvshare_decode_layers.argtypes = [*[ptr] * 12, long_, ptr, float_, float_, int_]
+    library.kvshare_decode_layers.argtypes = [*[ptr] * 13, long_, ptr, float_, float_, int_]

@@ -44,9 +44,13 @@ class Agreement:
         return self.perplexity / self.perplexity_exact
 
 
-def score_text(runner: ModelRunner, token_ids: list[int], chunk_tokens: int = 256) -> TextScore:
+def score_text(
+    runner: ModelRunner, token_ids: list[int], chunk_tokens: int = 256, as_prompt: bool = True
+) -> TextScore:
     """Teacher-force `token_ids` through the runner's model in prefill chunks of
-    `chunk_tokens`, as one sequence in blocks 0.. of the runner's KV pool."""
+    `chunk_tokens`, as one sequence in blocks 0.. of the runner's KV pool: as a prompt's tokens,
+    or (as_prompt False) as tokens the model generated, which the runner may compute on another
+    kernel path (model_runner.tile_rows)."""
     block_size = runner.block_size
     table = list(range(-(-len(token_ids) // block_size)))
     if len(table) > runner.num_kv_blocks or len(token_ids) > runner.max_model_len:
@@ -57,6 +61,7 @@ def score_text(runner: ModelRunner, token_ids: list[int], chunk_tokens: int = 25
             chunk = token_ids[start : start + chunk_tokens]
             end = start + len(chunk)
             seq = ScheduledSeq(0, chunk, start, table[: -(-end // block_size)])
+            seq.prompt_len = len(token_ids) if as_prompt else 0
             slots = [
                 table[p // block_size] * block_size + p % block_size for p in range(start, end)
             ]
@@ -68,7 +73,7 @@ def score_text(runner: ModelRunner, token_ids: list[int], chunk_tokens: int = 25
 
 
 def _chunk_logprobs(runner: ModelRunner, step: SchedulerOutput) -> torch.Tensor:
-    inputs = prepare_inputs(step, runner.device)
+    inputs = prepare_inputs(step, runner.device, runner.tile_prompts)
     model = runner.model
     hidden = model(
         inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.attn_backend

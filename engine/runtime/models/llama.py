@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.runtime.attention.base import AttentionBackend, AttentionMetadata
+from engine.runtime.cpu.block_linear import BlockLinear
 from engine.runtime.cpu.decode_step import NativeDecodeStep
 from engine.runtime.cpu.fused import CpuFusedOps
 from engine.runtime.cpu.linear import PackedLinear, pack_linears
@@ -202,7 +203,7 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (H + 2Hkv) * D]
+        qkv = _project(self.qkv_proj, x, meta.tile_rows)  # [T, (H + 2Hkv) * D]
         k_cache, v_cache = kv_cache
         if self.fused is not None and self.q_norm is None:
             # Rope on q and k and the KV store in one native pass (four calls otherwise).
@@ -211,7 +212,7 @@ class LlamaAttention(nn.Module):
             )
             if q is not None:
                 out = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-                return self.o_proj(out.reshape(num_tokens, self.q_size))
+                return _project(self.o_proj, out.reshape(num_tokens, self.q_size), meta.tile_rows)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -221,12 +222,20 @@ class LlamaAttention(nn.Module):
         q, k = self._rope(q, rope), self._rope(k, rope)
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return _project(self.o_proj, out.reshape(num_tokens, self.q_size), meta.tile_rows)
 
     def _rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         if self.fused is not None and (out := self.fused.rope(x, *rope)) is not None:
             return out
         return apply_rope(x, rope)
+
+
+def _project(linear: nn.Module, x: torch.Tensor, tile_rows: torch.Tensor | None) -> torch.Tensor:
+    """linear(x); a block projection takes each row's kernel path from the step (tile_rows,
+    AttentionMetadata), any other the one it has."""
+    if tile_rows is not None and isinstance(linear, BlockLinear):
+        return linear(x, tile_rows)
+    return linear(x)
 
 
 class LlamaMLP(nn.Module):
@@ -237,12 +246,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = _linear(size, spec.hidden_size, spec.mlp_bias, device, dtype)
         self.fused: CpuFusedOps | None = None  # set by use_fused_ops()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
+    def forward(self, x: torch.Tensor, tile_rows: torch.Tensor | None = None) -> torch.Tensor:
+        gate_up = _project(self.gate_up_proj, x, tile_rows)  # [T, 2I]
         if self.fused is not None and (act := self.fused.silu_mul(gate_up)) is not None:
-            return self.down_proj(act)
+            return _project(self.down_proj, act, tile_rows)
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [T, I] temporary less
+        # in place: one [T, I] temporary less
+        return _project(self.down_proj, F.silu(gate).mul_(up), tile_rows)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -264,7 +274,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden, normed = self.input_layernorm.add_forward(hidden, delta)
         attn_out = self.self_attn(rope, normed, kv_cache, meta, backend)
         hidden, normed = self.post_attention_layernorm.add_forward(hidden, attn_out)
-        return hidden, self.mlp(normed)
+        return hidden, self.mlp(normed, meta.tile_rows)
 
 
 class LlamaModel(nn.Module):

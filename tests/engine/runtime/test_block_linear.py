@@ -121,6 +121,30 @@ def test_a_rows_output_is_bit_identical_at_1_3_and_8_rows(library, fmt: str, lay
     assert torch.equal(layer(crowd), torch.cat([layer(crowd[i : i + 1]) for i in range(8)]))
 
 
+@pytest.mark.parametrize(("fmt", "layout"), LAYOUTS)
+def test_each_row_takes_the_path_the_step_gives_it(library, fmt: str, layout: str) -> None:
+    """tile_rows (AttentionMetadata.tile_rows, a prompt token's 1): a row marked 1 gets the bits
+    it gets with the tiles as the library's default path, a row marked 0 the FMAs' bits, in runs
+    of either kind at either end (the same bits where this library or CPU has no tiles)."""
+    weight = random_blocks(fmt, rows_for(layout, 40), in_features_of(fmt, 5), seed=11)
+    layer = BlockLinear(laid_out(weight, layout), None, library)
+    x = randn(19, weight.in_features, seed=12)
+    paths = torch.tensor([1, 0, 0, 1, 1, 1, 0, 1] + [1] * 9 + [0, 0], dtype=torch.int32)
+    before = library.kvshare_panel_amx(-1)
+    try:
+        by_path = []
+        for tiles in (0, 1):
+            library.kvshare_panel_amx(tiles)
+            by_path.append(layer(x))
+    finally:
+        library.kvshare_panel_amx(before)
+    mixed = layer(x, paths)
+    assert torch.equal(mixed, torch.where(paths[:, None].bool(), by_path[1], by_path[0]))
+    assert_close_to_reference(mixed, x, weight.dequantize())
+    with pytest.raises(ValueError, match="tile_rows"):
+        layer(x, paths[:-1])
+
+
 @pytest.mark.parametrize("fmt", PANEL_FORMATS)
 def test_many_rows_read_expanded_panels_with_the_same_bits(library, fmt: str) -> None:
     # From 64 rows a chunk's panels are expanded to fp32 once and read back by every row tile:

@@ -23,6 +23,7 @@ from engine.runtime.cpu.fused import CpuFusedOps
 from engine.runtime.cpu.native import load_library
 from engine.runtime.loader import load_model
 from engine.runtime.model_runner import prepare_inputs
+from tests.engine.runtime.kernel_paths import AMX_LEVELS, amx_here
 from tests.oracle import random_prompt
 
 pytestmark = [
@@ -57,9 +58,17 @@ def caches(model, num_blocks: int = 16, dtype: torch.dtype = torch.float32, bloc
 
 
 def run(
-    model, backend, kv, make_step, seqs, num_decodes=0, output_rows=None, block_size=BLOCK_SIZE
+    model,
+    backend,
+    kv,
+    make_step,
+    seqs,
+    num_decodes=0,
+    output_rows=None,
+    block_size=BLOCK_SIZE,
+    tile_prompts=False,
 ) -> torch.Tensor:
-    inputs = prepare_inputs(make_step(seqs, block_size, num_decodes), CPU)
+    inputs = prepare_inputs(make_step(seqs, block_size, num_decodes), CPU, tile_prompts)
     rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.int64)
     with torch.inference_mode():
         hidden = model(
@@ -70,16 +79,24 @@ def run(
 
 def mixed_steps() -> list[tuple[list[ScheduledSeq], int]]:
     """(seqs, num_decodes) of three steps: a first chunk; its continuation beside a new prompt;
-    a decode, a continuation chunk crossing a block and a new prompt."""
+    a decode, a continuation chunk crossing a block and a new prompt. Prompt lengths 22, 9 and
+    30: the last step's rows are a generated token, a prompt token, two generated tokens (a
+    recomputed answer) and a prompt (tile_rows 0, 1, 0, 0, then 1s)."""
     a, b, c = (random_prompt(n, seed=n) for n in (21, 9, 30))
     return [
-        ([ScheduledSeq(0, a[:11], 0, [0, 1, 2])], 0),
-        ([ScheduledSeq(0, a[11:21], 11, [0, 1, 2]), ScheduledSeq(1, b, 0, [3, 4])], 0),
+        ([ScheduledSeq(0, a[:11], 0, [0, 1, 2], prompt_len=22)], 0),
         (
             [
-                ScheduledSeq(1, [7], 9, [3, 4]),
-                ScheduledSeq(0, [5, 6, 8], 21, [0, 1, 2]),
-                ScheduledSeq(2, c, 0, [5, 6, 7, 8]),
+                ScheduledSeq(0, a[11:21], 11, [0, 1, 2], prompt_len=22),
+                ScheduledSeq(1, b, 0, [3, 4], prompt_len=9),
+            ],
+            0,
+        ),
+        (
+            [
+                ScheduledSeq(1, [7], 9, [3, 4], prompt_len=9),
+                ScheduledSeq(0, [5, 6, 8], 21, [0, 1, 2], prompt_len=22),
+                ScheduledSeq(2, c, 0, [5, 6, 7, 8], prompt_len=30),
             ],
             1,
         ),
@@ -133,12 +150,15 @@ def _head_weight(model) -> torch.Tensor:
     "cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
 )
 @pytest.mark.parametrize("two_threads", [False, True], ids=["1-thread", "2-threads"])
+@pytest.mark.parametrize("tile_prompts", [False, True], ids=["fmas", "prompts-on-tiles"])
 def test_prefill_and_mixed_steps_are_bit_identical_to_the_torch_model(
-    library, make_tiny_model, make_step, two_threads, cache_dtype
+    library, make_tiny_model, make_step, two_threads, cache_dtype, tile_prompts
 ) -> None:
     """First chunks, continuation chunks and decodes in one step: every token is a decode
     query at its own position, in the native stack as in the module path's attention; over
-    each KV cache dtype (kv_cache_dtype), K/V rounded alike where they are stored."""
+    each KV cache dtype (kv_cache_dtype), K/V rounded alike where they are stored; with the
+    prompt tokens' projections on AMX tiles (where this build and CPU have them) and the
+    generated tokens' on the FMAs, in runs of either kind (tile_rows)."""
     model = block_model(library, make_tiny_model("llama", head_dim=64))
     step = NativeDecodeStep.for_model(model, library)
     backend = cpu_native.CpuNativeBackend(library)
@@ -149,9 +169,14 @@ def test_prefill_and_mixed_steps_are_bit_identical_to_the_torch_model(
     try:
         for seqs, num_decodes in steps:
             model.use_native_decode(None)
-            expected = run(model, backend, reference_kv, make_step, seqs, num_decodes)
+            expected = run(
+                model, backend, reference_kv, make_step, seqs, num_decodes,
+                tile_prompts=tile_prompts,
+            )  # fmt: skip
             model.use_native_decode(step)
-            got = run(model, backend, native_kv, make_step, seqs, num_decodes)
+            got = run(
+                model, backend, native_kv, make_step, seqs, num_decodes, tile_prompts=tile_prompts
+            )
             assert torch.equal(got, expected)
     finally:
         torch.set_num_threads(threads)
@@ -206,9 +231,14 @@ def test_a_steps_wanted_rows_alone_are_the_rows_of_the_whole_step(
         lasts = list(itertools.accumulate(len(seq.token_ids) for seq in seqs))
         rows = wanted([last - 1 for last in lasts])
         model.use_native_decode(None)
-        expected = run(model, backend, reference_kv, make_step, seqs, num_decodes)
+        expected = run(
+            model, backend, reference_kv, make_step, seqs, num_decodes, tile_prompts=True
+        )
         model.use_native_decode(step)
-        got = run(model, backend, native_kv, make_step, seqs, num_decodes, output_rows=rows)
+        got = run(
+            model, backend, native_kv, make_step, seqs, num_decodes, output_rows=rows,
+            tile_prompts=True,
+        )  # fmt: skip
         assert got.shape == (len(rows), expected.shape[1])
         assert torch.equal(got, expected[rows])
     assert step.steps_run == len(steps)
@@ -232,3 +262,22 @@ def test_the_kernels_share_torchs_openmp_runtime(library) -> None:
     with open("/proc/self/maps") as maps:
         runtimes = {line.split()[-1] for line in maps if "libgomp" in line and "r-xp" in line}
     assert len(runtimes) == 1, runtimes
+
+
+def test_prompt_rows_take_the_tiles_exactly_where_the_build_and_the_cpu_have_them(
+    make_tiny_model, make_step, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """tile_rows reaches the kernels: a prompt chunk's rows change bits with it on a build and
+    CPU with AMX tiles (within the F.linear bound the other tests hold), and nowhere else."""
+    seqs = [ScheduledSeq(0, random_prompt(20, seed=3), 0, [0, 1, 2], prompt_len=20)]
+    for level in available_isa_levels():
+        library = load_library(tmp_path_factory.getbasetemp() / "native-kernels", level)
+        model = block_model(library, make_tiny_model("llama", head_dim=64))
+        model.use_native_decode(NativeDecodeStep.for_model(model, library))
+        backend = cpu_native.CpuNativeBackend(library)
+        fmas, tiles = (
+            run(model, backend, caches(model), make_step, seqs, tile_prompts=on)
+            for on in (False, True)
+        )
+        torch.testing.assert_close(tiles, fmas, atol=1e-3, rtol=1e-3)
+        assert torch.equal(tiles, fmas) != (amx_here() and level in AMX_LEVELS), level

@@ -1,8 +1,9 @@
 """The panel kernels on AMX tiles (engine/runtime/cpu/block_kernels.cpp, "Panels on AMX tiles"):
-asked for by KVSHARE_CPU_AMX=1 and taken exactly where the build and the CPU have them; on such a
-CPU, the tiles against F.linear on the dequantized weights and the FMA path, at row counts that
-fill no tile, one, and several with a remainder. The rest of the kernel suites (test_block_linear,
-test_greedy_head) run on the tiles too, through kernel_paths()."""
+on for prompt tokens where the CPU has them (KVSHARE_CPU_AMX=0 turns them off) and taken exactly
+where the build and the CPU have them; on such a CPU, the tiles against F.linear on the
+dequantized weights and the FMA path, at row counts that fill no tile, one, and several with a
+remainder. The rest of the kernel suites (test_block_linear, test_greedy_head) run on the tiles
+too, through kernel_paths()."""
 
 from __future__ import annotations
 
@@ -31,15 +32,15 @@ AMX_PATHS = [level + AMX for level in available_isa_levels() if HAS_AMX and leve
 @pytest.mark.parametrize(
     ("value", "flags", "expected"),
     [
+        ("", _V4 | AMX_FLAGS, True),  # on where the CPU has them
         ("1", _V4 | AMX_FLAGS, True),
-        ("on", _V4 | AMX_FLAGS, True),
-        ("", _V4 | AMX_FLAGS, False),  # off unless asked for
         ("0", _V4 | AMX_FLAGS, False),
-        ("1", _V4 | {"amx_tile"}, False),  # tiles without bf16 products
-        ("1", _V4, False),
+        ("off", _V4 | AMX_FLAGS, False),
+        ("", _V4 | {"amx_tile"}, False),  # tiles without bf16 products
+        ("", _V4, False),
     ],
 )
-def test_the_probe_says_amx_only_when_asked_for_on_a_cpu_with_it(
+def test_the_probe_says_amx_on_a_cpu_with_it_unless_turned_off(
     value: str, flags: frozenset[str], expected: bool
 ) -> None:
     environ = {AMX_ENV: value} if value else {}
