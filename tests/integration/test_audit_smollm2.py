@@ -122,6 +122,30 @@ def test_normal_traffic_is_audited_without_corruption(client):
     assert 0 <= drifts <= num_hits - within_1e6
 
 
+def test_an_answer_reused_as_the_next_prompt_audits_without_corruption(client):
+    """A second turn reads the first answer's KV from the cache. That KV was computed for
+    generated tokens, which on an AMX CPU take the FMAs while the audit recomputes them as
+    prompt tokens, on the tiles (model_runner.tile_rows): other summation orders, so drift at
+    most (within float32 rounding), never corruption."""
+    before = client.wait_audits(client.audits()["kvshare_cache_audits_total"])
+    body = {"temperature": 0, "max_tokens": 40, "ignore_eos": True, "cache_salt": "turns"}
+    first = client.http.post("/v1/completions", json={**body, "prompt": SYSTEM}).json()
+    follow_up = SYSTEM + first["choices"][0]["text"] + " So when is the last train?"
+    second = client.http.post("/v1/completions", json={**body, "prompt": follow_up}).json()
+    # at least one block (16 tokens) of the answer came from the cache
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] + 16, (cached, first["usage"])
+    counters = client.wait_audits(before["kvshare_cache_audits_total"] + 1)
+    for name in (
+        'kvshare_cache_audit_mismatches_total{kind="corruption"}',
+        "kvshare_cache_quarantined_blocks_total",
+    ):
+        assert counters[name] == before[name], name
+    metrics = scrape(client.base_url)
+    audited = metrics["kvshare_cache_audit_max_abs_diff_count"]
+    assert metrics['kvshare_cache_audit_max_abs_diff_bucket{le="0.1"}'] == audited
+
+
 def test_a_corrupted_block_is_caught_and_the_prefix_recomputed(client):
     prompt = ids(6, 48)  # 48 + 3 computed tokens: three blocks cached
     before = client.wait_audits(client.audits()["kvshare_cache_audits_total"])
