@@ -7,9 +7,10 @@ On a shared host two runs of the same code differ by more than most kernel chang
 batch-1 step has moved between 8.4 and 12.6 ms from one run to the next, benchmarks/README.md).
 This script takes that drift out. One engine (this tree's Python, config/cpu.yaml, drafting
 off, ~240-token prompts) decodes; its native layer stack (kvshare_decode_layers) and its LM
-head (kvshare_block_linear) are called, step by step in turn, from the kernel library built from
-this tree's engine/runtime/cpu and from the one built from DIR's (a worktree of another commit),
-with the same compiler and flags (engine/runtime/cpu/native.py). It prints, per library, the
+head (kvshare_block_linear_rows) are called, step by step in turn, from the kernel library
+built from this tree's engine/runtime/cpu and from the one built from DIR's (a worktree of
+another commit, 206c5b4 or later: the entry points changed there), with the same compiler and
+flags (engine/runtime/cpu/native.py). It prints, per library, the
 median step, layer stack and head; and the weight bytes a step reads over its median step,
 against the read bandwidth measured in the same process before and after.
 
@@ -53,6 +54,8 @@ def build(tree: Path, target: Path, isa: str) -> ctypes.CDLL:
     sources = tuple(tree / "engine/runtime/cpu" / source.name for source in native.SOURCES)
     native._compile(compiler, isa, target, sources)
     library = ctypes.CDLL(str(target))
+    if not hasattr(library, "kvshare_block_linear_rows"):  # the entry points changed there
+        raise SystemExit(f"{tree}: its kernels predate 206c5b4 (each row's path); take a newer one")
     native._declare(library)
     return library
 
@@ -67,7 +70,13 @@ class Alternation:
     """Points the engine's native step and LM head at one library or the other, and times them."""
 
     def __init__(self, model, libraries: dict[str, ctypes.CDLL]) -> None:
-        self.step, self.head = model.native_decode, model.lm_head
+        # Greedy rows take their tokens from GreedyHead where the model has one, the rest the
+        # block head: the one the engine's steps here call.
+        self.step = model.native_decode
+        self.head = model.greedy_head if model.greedy_head is not None else model.lm_head
+        self.head_entry = (
+            "kvshare_greedy_head" if model.greedy_head is not None else "kvshare_block_linear_rows"
+        )
         if self.step is None or not hasattr(self.head, "_run"):
             raise SystemExit("needs quantization native (a native decode step and a block head)")
         self.libraries = libraries
@@ -79,7 +88,7 @@ class Alternation:
         self.current = name
         library = self.libraries[name]
         self.step._run = self._timed(library.kvshare_decode_layers, "layers")
-        self.head._run = self._timed(library.kvshare_block_linear, "head")
+        self.head._run = self._timed(getattr(library, self.head_entry), "head")
 
     def _timed(self, fn, bucket: str):
         def timed(*args):
@@ -95,8 +104,8 @@ class Alternation:
         `tolerate`, a difference is printed (its largest element) instead of ending the run."""
         import torch
 
-        step, head, outputs = self.step, self.head, {}
-        run, forward = step.run, head.forward
+        step, outputs = self.step, {}
+        run = step.run
 
         def both_layers(hidden, *args):
             start = hidden.clone()
@@ -106,17 +115,15 @@ class Alternation:
                 outputs[("layers", name)] = run(hidden, *args).clone()
             return outputs[("layers", name)]
 
-        def both_heads(x):
-            for name in self.libraries:
-                self.use(name)
-                outputs[("head", name)] = forward(x)
-            return outputs[("head", name)]
-
-        step.run, head.forward = both_layers, both_heads
+        step.run = both_layers
         try:
             engine.step()
         finally:
-            del step.run, head.forward
+            del step.run
+        hidden = outputs[("layers", self.names[0])]
+        for name in self.libraries:
+            self.use(name)
+            outputs[("head", name)] = self.head(hidden)
         for part in ("layers", "head"):
             first, *others = [outputs[(part, name)] for name in self.libraries]
             if all(torch.equal(first, other) for other in others):
