@@ -133,7 +133,7 @@ def tile_rows(seqs: list[ScheduledSeq]) -> torch.Tensor | None:
     token does not: a prompt token takes the tiles and a generated one the FMAs in every batch,
     a recomputed one (preemption) as when first computed. One trade: a finished answer reused as
     the next turn's cached prompt holds the FMAs' KV where recomputing it would give the tiles'
-    (within float32 rounding; the audit counts it as drift, never as pollution)."""
+    (within float32 rounding: the audit finds drift at most, never pollution)."""
     rows: list[int] = []
     for seq in seqs:
         prompt = min(max(seq.prompt_len - seq.start_pos, 0), seq.num_tokens)
