@@ -147,7 +147,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 # KVSHARE_ variables that are no settings but read by the CPU runtime itself
 # (engine/runtime/cpu/capabilities.py, native.py): no warning for them.
-RUNTIME_ENV = frozenset({"KVSHARE_CPU_ISA", "KVSHARE_CPU_BF16_LINEAR", "KVSHARE_PREBUILT_KERNELS"})
+RUNTIME_ENV = frozenset(
+    {"KVSHARE_CPU_ISA", "KVSHARE_CPU_BF16_LINEAR", "KVSHARE_CPU_AMX", "KVSHARE_PREBUILT_KERNELS"}
+)
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -122,9 +122,9 @@ def prepare_inputs(
     return StepInputs(ids, pos, meta, logits_rows, [i for i, _ in sampled], [s for _, s in sampled])
 
 
-def tile_rows(seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+def tile_rows(seqs: list[ScheduledSeq]) -> torch.Tensor:
     """[T] int32: 1 for a prompt token's row (position < its prompt_len), 0 for a generated
-    token's; None when the step has no prompt token.
+    token's (never None, the kernels' default path: a decode row's path is 0 in every step).
 
     Why by the token: on an AMX Xeon the panel kernels run a prefill chunk about 2x faster on the
     tiles than on the FMAs, but a lone decode row 1.7x slower (block_kernels.cpp, "Panels on AMX
@@ -138,7 +138,7 @@ def tile_rows(seqs: list[ScheduledSeq]) -> torch.Tensor | None:
     for seq in seqs:
         prompt = min(max(seq.prompt_len - seq.start_pos, 0), seq.num_tokens)
         rows += [1] * prompt + [0] * (seq.num_tokens - prompt)
-    return torch.tensor(rows, dtype=torch.int32) if any(rows) else None
+    return torch.tensor(rows, dtype=torch.int32)
 
 
 def _row_specs(seq: ScheduledSeq) -> list[SampleSpec]:

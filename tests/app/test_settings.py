@@ -104,7 +104,8 @@ def test_the_cpu_runtimes_own_variables_are_no_settings_and_not_warned_about(cap
     from engine.runtime.cpu import capabilities, native
 
     # The names the runtime reads are the ones the settings leave to it.
-    assert {capabilities.ISA_ENV, capabilities.BF16_LINEAR_ENV, native.PREBUILT_ENV} == RUNTIME_ENV
+    names = {capabilities.ISA_ENV, capabilities.BF16_LINEAR_ENV, capabilities.AMX_ENV}
+    assert names | {native.PREBUILT_ENV} == RUNTIME_ENV
     caplog.set_level(logging.WARNING)
     assert load_settings(None, dict.fromkeys(RUNTIME_ENV, "avx2")) == Settings()
     assert caplog.text == ""

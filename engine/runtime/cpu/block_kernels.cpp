@@ -1138,13 +1138,14 @@ int linear_on(int format, const float* x, const uint8_t* weight, float* out, int
 // process has them), 0 on the FMAs; nullptr: every row on the process's default path
 // (kvshare_panel_amx). A row's output depends only on the row and its path, so a run computes
 // its rows as the whole call would. The last run asks for the companion's ranges (in a step,
-// the prompt rows after the decode rows: the long run).
+// the prompt rows after the decode rows: the long run). One call where the rows cannot differ:
+// a format without tiles (K-quants), or no tiles in this build, CPU or process (the FMAs then).
 int linear_by_rows(int format, const float* x, const uint8_t* weight, float* out, int rows,
                    int in_features, int64_t out_features, int num_threads,
                    const Companion* companion, const int32_t* tile_rows) {
-  if (tile_rows == nullptr)
+  if (tile_rows == nullptr || format <= kPanelCode || !amx_supported())
     return linear_on(format, x, weight, out, rows, in_features, out_features, num_threads,
-                     companion, amx_active());
+                     companion, tile_rows == nullptr && amx_active());
   for (int r0 = 0; r0 < rows;) {
     int r1 = r0 + 1;
     while (r1 < rows && (tile_rows[r1] != 0) == (tile_rows[r0] != 0)) ++r1;

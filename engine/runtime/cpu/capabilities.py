@@ -69,7 +69,7 @@ class CpuCapabilities:
     bf16_linear: oneDNN packs and runs bf16 linears (False when forced off).
     kernel_isa: the level the native kernels are built for: "native", or the forced level.
     amx: the panel kernels run prompt tokens on AMX tiles (a CPU that has them, unless
-    KVSHARE_CPU_AMX=0; the AVX-512 builds use them, lower levels never).
+    KVSHARE_CPU_AMX=0 or a forced level below avx512: only the AVX-512 builds carry them).
     """
 
     isa: str
@@ -120,11 +120,12 @@ def probe(
     bf16 = _onednn_bf16_supported() if bf16_supported is None else bf16_supported
     bf16_off = environ.get(BF16_LINEAR_ENV, "").strip().lower() in _OFF
     amx_off = environ.get(AMX_ENV, "").strip().lower() in _OFF
+    isa = forced or detected
     return CpuCapabilities(
-        isa=forced or detected,
+        isa=isa,
         bf16_linear=bf16 and not bf16_off,
         kernel_isa=forced or "native",
-        amx=flags >= _AMX_FLAGS and not amx_off,
+        amx=flags >= _AMX_FLAGS and isa == "avx512" and not amx_off,  # the tile code's builds
     )
 
 

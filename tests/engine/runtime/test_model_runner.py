@@ -170,7 +170,7 @@ def test_prepare_inputs_flattens_the_batch_exactly(make_step):
 def test_tile_rows_mark_prompt_tokens_by_position_whatever_the_step(make_step):
     """A token's path is its own: prompt positions (< prompt_len) 1, generated ones 0, in a
     decode, a first chunk, a chunk that recomputes a prompt and its answer (preemption), and a
-    continuation past the prompt; None without a prompt token or when not asked for."""
+    continuation past the prompt; zeros without a prompt token, None when not asked for."""
     seqs = [
         ScheduledSeq(4, [11], 9, [3, 7], prompt_len=5),  # a decode
         ScheduledSeq(5, [12, 13, 14], 0, [2], prompt_len=8),  # a first chunk
@@ -184,7 +184,7 @@ def test_tile_rows_mark_prompt_tokens_by_position_whatever_the_step(make_step):
     assert tiles.tolist() == [0, 1, 1, 1, 1, 1, 0, 0, 1, 0]
     assert prepare_inputs(step, cpu).meta.tile_rows is None
     decodes = make_step(seqs[:1], BLOCK_SIZE, num_decodes=1)
-    assert prepare_inputs(decodes, cpu, tile_prompts=True).meta.tile_rows is None
+    assert prepare_inputs(decodes, cpu, tile_prompts=True).meta.tile_rows.tolist() == [0]
 
 
 def test_kv_pool_sized_from_bytes_and_described(tiny_llama_dir):

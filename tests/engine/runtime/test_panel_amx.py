@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from engine.runtime.cpu.block_linear import PANEL_FORMATS, BlockLinear, to_panels
-from engine.runtime.cpu.capabilities import _V4, AMX_ENV, available_isa_levels, probe
+from engine.runtime.cpu.capabilities import (
+    _V3,
+    _V4,
+    AMX_ENV,
+    ISA_ENV,
+    available_isa_levels,
+    probe,
+)
 from engine.runtime.cpu.native import load_library
 from tests.engine.runtime.kernel_paths import AMX, AMX_FLAGS, AMX_LEVELS, amx_here, kernel_path
 from tests.engine.runtime.test_block_linear import (
@@ -38,6 +45,7 @@ AMX_PATHS = [level + AMX for level in available_isa_levels() if HAS_AMX and leve
         ("off", _V4 | AMX_FLAGS, False),
         ("", _V4 | {"amx_tile"}, False),  # tiles without bf16 products
         ("", _V4, False),
+        ("", _V3 | AMX_FLAGS, False),  # no AVX-512 build to carry the tile code
     ],
 )
 def test_the_probe_says_amx_on_a_cpu_with_it_unless_turned_off(
@@ -45,6 +53,13 @@ def test_the_probe_says_amx_on_a_cpu_with_it_unless_turned_off(
 ) -> None:
     environ = {AMX_ENV: value} if value else {}
     assert probe(environ, frozenset(flags), bf16_supported=True).amx is expected
+
+
+def test_a_forced_level_below_avx512_has_no_tiles() -> None:
+    flags = frozenset(_V4 | AMX_FLAGS)
+    assert probe({ISA_ENV: "avx512"}, flags, bf16_supported=True).amx
+    for level in ("avx2", "baseline"):
+        assert not probe({ISA_ENV: level}, flags, bf16_supported=True).amx, level
 
 
 def test_the_tiles_are_taken_exactly_where_the_build_and_the_cpu_have_them(
