@@ -341,12 +341,17 @@ struct NibblePanel {
   }
 #if defined(__AVX512F__)
   // Code row j as AMX B pairs (lo, hi) of bf16, by table: bf16 of 0..15 in the low half of each
-  // lane for the low nibble, in the high half for the high one.
+  // lane for the low nibble, in the high half for the high one (vpermd reads an index's low 4
+  // bits, so the low nibble needs no mask).
   static __m512i pairs(const uint8_t* rows, int j) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + kPanel * j)));
-    const __m512i lo = _mm512_setr_epi32(0, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + kPanel * j));
+    const __m512i v = _mm512_cvtepu8_epi32(bytes);
+    const __m512i lo = _mm512_setr_epi32(0, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0,
+                                         0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150,
+                                         0x4160, 0x4170);
     const __m512i hi = _mm512_slli_epi32(lo, 16);
-    return _mm512_or_si512(_mm512_permutexvar_epi32(v, lo), _mm512_permutexvar_epi32(_mm512_srli_epi32(v, 4), hi));
+    return _mm512_or_si512(_mm512_permutexvar_epi32(v, lo),
+                           _mm512_permutexvar_epi32(_mm512_srli_epi32(v, 4), hi));
   }
 #endif
 };
@@ -604,14 +609,14 @@ inline __m512i pair_bf16(__m512 lo, __m512 hi) {
                          _mm512_castps_si512(hi));
 }
 
-// Rows [r0, r1) of x [rows, K] as A: parts [3][rows][K] bf16, group g's pair j at 32 g + 2 j.
+// x [rows, K] as A: parts [3][rows][K] bf16, group g's pair j at 32 g + 2 j.
 template <typename P>
-void split_rows(const float* x, uint16_t* parts, int r0, int r1, int rows, int in_features) {
+void split_rows(const float* x, uint16_t* parts, int rows, int in_features) {
   alignas(64) int32_t lo_index[16], hi_index[16];
   for (int j = 0; j < 16; ++j) lo_index[j] = P::lo_k(j), hi_index[j] = P::hi_k(j);
   const __m512i lo_k = _mm512_load_si512(lo_index), hi_k = _mm512_load_si512(hi_index);
   const int64_t plane = int64_t{rows} * in_features;
-  for (int r = r0; r < r1; ++r)
+  for (int r = 0; r < rows; ++r)
     for (int k = 0; k < in_features; k += 32) {
       const float* xg = x + r * int64_t{in_features} + k;
       const __m512 first = _mm512_loadu_ps(xg), second = _mm512_loadu_ps(xg + 16);
@@ -714,7 +719,7 @@ KVSHARE_AMX_TARGET void amx_linear(const float* x, const uint8_t* weight, float*
   const int64_t num_panels = out_features / kPanel;
   // On the calling thread: a barrier inside the parallel region costs a time slice whenever
   // the host deschedules one of the threads, and the split is a small part of the call.
-  split_rows<P>(x, parts, 0, rows, rows, in_features);
+  split_rows<P>(x, parts, rows, in_features);
   if constexpr (P::kHasMin) group_sums(x, sums, rows, in_features);
 #pragma omp parallel num_threads(num_threads)
   {
@@ -753,7 +758,7 @@ KVSHARE_AMX_TARGET void amx_panel_row(const float* x, const uint8_t* weight, flo
   part_buffer.resize(static_cast<size_t>(kAmxParts) * in_features);
   tile_buffer.resize(static_cast<size_t>(groups) * 16);
   uint16_t* tiles = reinterpret_cast<uint16_t*>(tile_buffer.data());
-  split_rows<P>(x, part_buffer.data(), 0, 1, 1, in_features);
+  split_rows<P>(x, part_buffer.data(), 1, in_features);
   if constexpr (P::kHasMin) {
     sum_buffer.resize(groups);
     group_sums(x, sum_buffer.data(), 1, in_features);

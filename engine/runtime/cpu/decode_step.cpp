@@ -177,13 +177,13 @@ extern "C" {
 // hidden [T, E]: the embedded tokens in, the residual stream out; out [T, E]: the final-normed
 // rows (LlamaForCausalLM.forward's result). buffers: 7 addresses (normed, qkv, q, attn, delta,
 // gate_up, act). tile_rows: null, or [T] each row's projection path (1 AMX tiles, 0 FMAs; see
-// kvshare_block_linear_rows), compacted with the kept rows. keep: -1, or the rows whose
-// final-normed row is wanted, strictly increasing (keep_rows of them): the last layer then stores every row's K/V but runs its attention,
-// output projection and MLP on those rows only, and out [keep_rows, E] holds them in that order
-// (each op computes a row alone, so a kept row has the bits it has in the whole step; hidden and
-// block_tables/seq_lens/tile_rows are compacted in place). 0 on success; otherwise the failing op's
-// status (block_linear's 1-2, rope store's + 10, paged decode's + 20), at the layer
-// 100 * (layer + 1) adds; 3: keep not strictly increasing within [0, T).
+// kvshare_block_linear_rows). keep: -1, or the rows whose final-normed row is wanted, strictly
+// increasing (keep_rows of them): the last layer then stores every row's K/V but runs its
+// attention, output projection and MLP on those rows only, and out [keep_rows, E] holds them in
+// that order (each op computes a row alone, so a kept row has the bits it has in the whole step;
+// hidden and block_tables/seq_lens/tile_rows are compacted in place). 0 on success; otherwise
+// the failing op's status (block_linear's 1-2, rope store's + 10, paged decode's + 20), at the
+// layer 100 * (layer + 1) adds; 3: keep not strictly increasing within [0, T).
 int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int32_t* formats,
                           const int64_t* buffers, float* hidden, float* out, const float* cos,
                           const float* sin, const int64_t* slots, int32_t* block_tables,
