@@ -1,9 +1,11 @@
 """The OpenAI error envelope and the exception handlers that produce it.
 
-Every error leaves as {"error": {"message", "type", "param", "code"}} with a matching status;
-a client never sees a stack trace. ENGINE_ERRORS is the one table from the engine's error types
-(engine/core/errors.py, plus ChatTemplateError) to statuses; handlers and the streaming path
-both read it through api_error().
+Every error leaves as {"error": {"message", "type", "param", "code"}} with a matching status,
+or on Anthropic's routes (ANTHROPIC_PREFIX) in Anthropic's envelope, {"type": "error",
+"error": {"type", "message"}}, the message naming the field; a client never sees a stack
+trace. ENGINE_ERRORS is the one table from the engine's error types (engine/core/errors.py,
+plus ChatTemplateError) to statuses; handlers and the streaming path read it through
+api_error().
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ SERVER_ERROR = "server_error"
 _FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
 # Union members appear in pydantic error locations under these names; they are not fields.
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+ANTHROPIC_PREFIX = "/v1/messages"
+# Anthropic's error type per status (its SDK raises one exception class per status).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class APIError(Exception):
@@ -62,6 +75,15 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's envelope: a type by status; the message names the field."""
+        status = self.status_code
+        kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else INVALID_REQUEST)
+        message = self.message
+        if self.param and self.param not in message:
+            message = f"{self.param}: {message}"
+        return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class EngineError(APIError):
@@ -115,8 +137,10 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error as the route at `path` speaks: Anthropic's envelope under ANTHROPIC_PREFIX."""
+    body = error.anthropic_body() if path.startswith(ANTHROPIC_PREFIX) else error.body()
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
 
 def param_path(loc: Sequence[str | int]) -> str | None:
@@ -168,16 +192,16 @@ def _validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     return APIError(400, f"Invalid value for '{param}': {first['msg']}", param=param)
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
     if exc.status_code == 500:  # 503 (loading, draining) is expected, not an error
         logger.error("request failed: %s", exc.message)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
-async def _request_validation(_: Request, exc: Exception) -> JSONResponse:
+async def _request_validation(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return error_response(_validation_error(exc.errors()))
+    return error_response(_validation_error(exc.errors()), request.url.path)
 
 
 async def _engine_error(request: Request, exc: Exception) -> JSONResponse:
@@ -200,12 +224,13 @@ async def _http_exception(request: Request, exc: Exception) -> JSONResponse:
         phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else ""
         error = APIError(status, str(exc.detail or phrase))
     error.headers.update(exc.headers or {})
-    return error_response(error)
+    return error_response(error, request.url.path)
 
 
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error", exc_info=exc)
-    return error_response(APIError(500, "Internal server error", type=SERVER_ERROR))
+    error = APIError(500, "Internal server error", type=SERVER_ERROR)
+    return error_response(error, request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -3,9 +3,6 @@ models and stream chunks of app/response_models.py, one Formatter per endpoint."
 
 from __future__ import annotations
 
-import enum
-import json
-import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -29,6 +26,7 @@ from app.response_models import (
     TopLogprob,
     Usage,
 )
+from app.tool_calls import ParsedCall, ToolCallMode, ToolCallParser
 from engine.core.protocol import TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -43,6 +41,7 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)  # in the choice's generated text
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended the choice, if one did
     # echo with logprobs: prompt tokens 1.. scored by the engine, on the choice's first delta
     prompt_logprobs: list[TokenLogprob] | None = None
 
@@ -108,118 +107,9 @@ class Formatter:
             whole.logprobs += delta.logprobs
             whole.text_offsets += delta.text_offsets
             whole.finish_reason = delta.finish_reason or whole.finish_reason
+            whole.stop_string = delta.stop_string or whole.stop_string
             whole.prompt_logprobs = delta.prompt_logprobs or whole.prompt_logprobs
         return folded
-
-
-class ToolCallMode(enum.Enum):
-    """How a chat choice's text holds tool calls: AUTO, text with `<tool_call>` blocks
-    (tool_choice "auto"); FORCED, nothing but the calls' JSON ("required" or a named one)."""
-
-    AUTO = "auto"
-    FORCED = "forced"
-
-    @classmethod
-    def of(cls, tool_mode: str | None) -> ToolCallMode | None:
-        """None (no parsing) without tools or with tool_choice "none"."""
-        if tool_mode in (None, "none"):
-            return None
-        return cls.AUTO if tool_mode == "auto" else cls.FORCED
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # JSON text of the arguments object
-
-
-TOOL_CALL_BEGIN = "<tool_call>"
-_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-class ToolCallParser:
-    """One choice's text -> its content and its tool calls, fed as it streams.
-
-    feed() returns the content that is final: in AUTO mode the text before the first
-    `<tool_call>` (trailing whitespace and a possible start of the tag are held back); in
-    FORCED mode nothing. finish() returns the rest of the content and the calls. The
-    non-streamed response feeds the whole text once, so both agree by construction. Text
-    that does not parse as calls (only a choice cut by max_tokens: the grammar allows no
-    other) comes back as content.
-    """
-
-    def __init__(self, mode: ToolCallMode) -> None:
-        self.mode = mode
-        self._held = ""
-        self._in_calls = mode is ToolCallMode.FORCED
-        self._emitted = False
-
-    def feed(self, text: str) -> str:
-        self._held += text
-        if self._in_calls:
-            return ""
-        start = self._held.find(TOOL_CALL_BEGIN)
-        if start >= 0:
-            self._in_calls = True
-            content, self._held = self._held[:start].rstrip(), self._held[start:]
-        else:
-            cut = len(self._held[: len(self._held) - _partial_tag_length(self._held)].rstrip())
-            content, self._held = self._held[:cut], self._held[cut:]
-        self._emitted = self._emitted or bool(content)
-        return content
-
-    def finish(self) -> tuple[str, list[ParsedCall]]:
-        held, self._held = self._held, ""
-        if not self._in_calls:
-            return held, []
-        if self.mode is ToolCallMode.FORCED:
-            calls = _forced_calls(held)
-            return ("", calls) if calls else (held, [])
-        calls: list[ParsedCall] = []
-        end = 0
-        for match in _TOOL_CALL_BLOCK.finditer(held):
-            call = _call_of(match.group(1))
-            if call is None:
-                break
-            calls.append(call)
-            end = match.end()
-        rest = held[end:] if not calls else held[end:].strip()
-        if rest and calls and self._emitted:
-            rest = "\n" + rest
-        return rest, calls
-
-
-def _partial_tag_length(text: str) -> int:
-    """Length of the longest end of `text` that could grow into TOOL_CALL_BEGIN."""
-    for length in range(min(len(text), len(TOOL_CALL_BEGIN) - 1), 0, -1):
-        if text.endswith(TOOL_CALL_BEGIN[:length]):
-            return length
-    return 0
-
-
-def _call_of(value: Any) -> ParsedCall | None:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return None
-    if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
-        return None
-    arguments = value.get("arguments")
-    if not isinstance(arguments, dict):
-        return None
-    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def _forced_calls(text: str) -> list[ParsedCall] | None:
-    """The calls of a FORCED output: one call object, or an array of them."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    items = value if isinstance(value, list) else [value]
-    calls = [_call_of(item) for item in items]
-    return None if not calls or None in calls else calls  # type: ignore[return-value]
 
 
 def new_tool_call_id() -> str:
@@ -341,8 +231,9 @@ class ChatFormatter(Formatter):
 
 
 def _tool_finish_reason(finish_reason: str, calls: list[ParsedCall]) -> str:
-    """ "tool_calls" when the choice ended (not cut) having called tools."""
-    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+    """ "tool_calls" when the choice ended (not cut) having called tools, all whole."""
+    is_whole = bool(calls) and all(call.is_complete for call in calls)
+    return "tool_calls" if is_whole and finish_reason == "stop" else finish_reason
 
 
 @dataclass(frozen=True)

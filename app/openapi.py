@@ -10,12 +10,13 @@ come from the pydantic fields themselves (app/request_models.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from app.errors import ANTHROPIC_PREFIX
 from app.limits import RequestLimits
 from app.settings import Settings
 from engine.core.seeds import MAX_SEED
@@ -29,9 +30,22 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    """OpenAI's error envelope: every non-2xx answer of this server has this body."""
+    """OpenAI's error envelope: every non-2xx answer of this server has this body, but on
+    Anthropic's routes."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error envelope: the non-2xx body of /v1/messages and its count_tokens."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 # Why a status is sent (the description of each declared response).
@@ -59,6 +73,8 @@ ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/responses/{response_id}", "delete"): (400, 404, 500, 503),
     ("/v1/responses/{response_id}/input_items", "get"): (400, 404, 500, 503),
     ("/v1/responses/input_tokens", "post"): _COUNTING,
+    ("/v1/messages", "post"): _GENERATION,
+    ("/v1/messages/count_tokens", "post"): _COUNTING,
     ("/tokenize", "post"): _COUNTING,
     ("/detokenize", "post"): _COUNTING,
     ("/v1/models", "get"): (500, 503),
@@ -73,6 +89,7 @@ ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
 # app/server.py's ApiKeyMiddleware guards these
 KEYED_PREFIXES = ("/v1/", "/debug/", "/tokenize", "/detokenize")
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+_ANTHROPIC_ERROR_REF = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
 
 
 def stream_responses(final: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, Any]:
@@ -113,12 +130,15 @@ def declare_errors(document: dict[str, Any], settings: Settings) -> None:
     """Every route's error statuses with the envelope; FastAPI's 422 (never sent) removed."""
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(_model_schemas(ErrorResponse))
+    schemas.update(_model_schemas(AnthropicErrorResponse))
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     keyed = bool(settings.server.api_keys)
     if keyed:
         scheme = {"type": "http", "scheme": "bearer", "description": "One of api_keys."}
-        document["components"]["securitySchemes"] = {"bearer": scheme}
+        header = {"type": "apiKey", "in": "header", "name": "x-api-key"}
+        header["description"] = "One of api_keys (Anthropic's clients send it so)."
+        document["components"]["securitySchemes"] = {"bearer": scheme, "apiKey": header}
     for path, operations in document.get("paths", {}).items():
         for method, operation in operations.items():
             statuses = set(ROUTE_ERRORS.get((path, method), (500,)))
@@ -126,11 +146,12 @@ def declare_errors(document: dict[str, Any], settings: Settings) -> None:
                 statuses.add(413)
             if keyed and path.startswith(KEYED_PREFIXES):
                 statuses.add(401)
-                operation["security"] = [{"bearer": []}]
+                operation["security"] = [{"bearer": []}, {"apiKey": []}]
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
+            envelope = _ANTHROPIC_ERROR_REF if path.startswith(ANTHROPIC_PREFIX) else _ERROR_REF
             for status in sorted(statuses):
-                content = {"application/json": {"schema": _ERROR_REF}}
+                content = {"application/json": {"schema": envelope}}
                 responses[str(status)] = {"description": _REASONS[status], "content": content}
 
 

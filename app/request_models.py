@@ -5,7 +5,7 @@ parts they are made of are in app/request_parts.py."""
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, SkipValidation, Strict
 
@@ -64,6 +64,10 @@ class CacheDiagnosticsOptions(RequestModel):
 
 class _SamplingRequest(RequestModel):
     """The fields chat and completions share; None (or null) means "use the default"."""
+
+    # A max_tokens past the context window's room is capped to it instead of refused (the
+    # Anthropic route's chat requests, app/anthropic/request.py).
+    caps_max_tokens: ClassVar[bool] = False
 
     model: str | None = None
     max_tokens: Count | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from typing import Any
@@ -25,7 +26,9 @@ def response_object(
         "status": "incomplete" if incomplete else "completed",
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "output": output_items(choice.message.content, choice.message.tool_calls or [], message_id),
+        "output": output_items(
+            choice.message.content, choice.message.tool_calls or [], message_id, incomplete
+        ),
         "usage": usage_object(chat.usage),
         **echoed_fields(request, chat.model),
     }
@@ -54,8 +57,13 @@ def echoed_fields(request: ResponsesRequest, model: str) -> dict[str, Any]:
 
 
 def output_items(
-    text: str | None, tool_calls: list[Any], message_id: str | None = None
+    text: str | None,
+    tool_calls: list[Any],
+    message_id: str | None = None,
+    is_cut: bool = False,
 ) -> list[dict[str, Any]]:
+    """The output items of a chat message; `is_cut` (max_output_tokens ended it) makes the
+    message incomplete, and the call whose arguments were cut."""
     items: list[dict[str, Any]] = []
     if text:
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
@@ -63,12 +71,13 @@ def output_items(
             {
                 "type": "message",
                 "id": message_id or "msg_" + secrets.token_hex(12),
-                "status": "completed",
+                "status": "incomplete" if is_cut else "completed",
                 "role": "assistant",
                 "content": content,
             }
         )
     for call in tool_calls:
+        is_call_cut = is_cut and not _is_json(call.function.arguments)
         items.append(
             {
                 "type": "function_call",
@@ -76,10 +85,19 @@ def output_items(
                 "call_id": call.id,
                 "name": call.function.name,
                 "arguments": call.function.arguments,
-                "status": "completed",
+                "status": "incomplete" if is_call_cut else "completed",
             }
         )
     return items
+
+
+def _is_json(text: str) -> bool:
+    """Whether `text` is whole JSON: a cut call's arguments are not (app/tool_calls.py)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def usage_object(usage: Usage) -> dict[str, Any]:

@@ -30,12 +30,13 @@ from typing import Any
 from starlette.responses import StreamingResponse
 
 from app.errors import SERVER_ERROR, APIError
-from app.formatting import ChoiceDelta, ToolCallParser
+from app.formatting import ChoiceDelta
 from app.response_models import ChatCompletionResponse
 from app.responses_format import echoed_fields, response_object, usage_object
 from app.responses_request import ResponsesRequest
 from app.serving import OpenAIServing, Prepared, RequestRecord
 from app.streaming import KEEPALIVE, SSE_HEADERS, SSEResponse, sse_event, with_keepalive
+from app.tool_calls import ToolCallParser
 
 logger = logging.getLogger(__name__)
 

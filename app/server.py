@@ -30,7 +30,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import APIError, error_response, install_error_handlers
 from app.metrics import ServerMetrics
 from app.openapi import install_openapi
-from app.routes import chat, completions, debug, health, metrics, models, responses, tokens
+from app.routes import (
+    chat,
+    completions,
+    debug,
+    health,
+    messages,
+    metrics,
+    models,
+    responses,
+    tokens,
+)
 from app.routes.deps import ServerState
 from app.serving import RequestRecord
 from app.settings import Settings
@@ -57,7 +67,7 @@ def create_app(engine_client: EngineClient, settings: Settings) -> FastAPI:
     )
     app.state.kvshare = state
     install_error_handlers(app)
-    for module in (chat, completions, models, health, metrics, debug, responses, tokens):
+    for module in (chat, completions, models, health, metrics, debug, responses, tokens, messages):
         app.include_router(module.router)
     install_openapi(app, settings)
     return app
@@ -72,7 +82,10 @@ def _middleware(state: ServerState) -> list[Middleware]:
                 CORSMiddleware,
                 allow_origins=list(server.cors_allow_origins),
                 allow_methods=["GET", "POST", "DELETE"],
-                allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                allow_headers=[
+                    *("Authorization", "Content-Type", "X-Request-Id"),
+                    *("X-Api-Key", "Anthropic-Version", "Anthropic-Beta"),
+                ],
             )
         )
     if server.api_keys:
@@ -160,7 +173,8 @@ class RequestContextMiddleware:
 
 
 class ApiKeyMiddleware:
-    """401 for /v1/ and /debug/ requests without a valid `Authorization: Bearer <key>`."""
+    """401 for /v1/ and /debug/ requests without a valid key: `Authorization: Bearer <key>`
+    or, as Anthropic's clients send it, `x-api-key: <key>` (the same keys, the same tenants)."""
 
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...]) -> None:
         self.app = app
@@ -169,10 +183,12 @@ class ApiKeyMiddleware:
     def _matching_key(self, scope: Scope) -> bytes | None:
         header = _header(scope, b"authorization") or ""
         scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer":
+            token = _header(scope, b"x-api-key") or ""
         given = token.strip().encode()
         # Compare with every key, always: the time taken says nothing about which one matched.
         matches = [hmac.compare_digest(given, key) for key in self.api_keys]
-        if scheme.lower() != "bearer" or not any(matches):
+        if not given or not any(matches):
             return None
         return self.api_keys[matches.index(True)]
 
@@ -186,10 +202,13 @@ class ApiKeyMiddleware:
             # One tenant per key: its prefix-cache namespace never shares blocks with another's.
             record.tenant = hashlib.sha256(key).hexdigest()[:16]
         if key is None:
-            message = "Invalid or missing API key. Send it as `Authorization: Bearer <key>`."
+            message = (
+                "Invalid or missing API key. Send it as `Authorization: Bearer <key>` "
+                "or `x-api-key: <key>`."
+            )
             headers = {"WWW-Authenticate": "Bearer"}
             error = APIError(401, message, code="invalid_api_key", headers=headers)
-            await error_response(error)(scope, receive, send)
+            await error_response(error, scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -230,7 +249,7 @@ class BodyLimitMiddleware:
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"The request body is larger than the limit of {self.max_body_bytes} bytes."
         error = APIError(413, message, code="request_too_large")
-        await error_response(error)(scope, receive, send)
+        await error_response(error, scope["path"])(scope, receive, send)
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

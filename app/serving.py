@@ -72,6 +72,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    stored_prompt_tokens: int = 0  # prompt tokens this request added to the prefix cache
     ttft_s: float | None = None
     finish_reason: str | None = None
     prompt: str | None = None  # kept only with log_prompts
@@ -188,6 +189,7 @@ class _Choice:
                 delta.logprobs.append(logprobs[position])
             if self.detokenizer.is_stopped:  # later tokens lie beyond the cut
                 self.finish_reason = delta.finish_reason = "stop"
+                delta.stop_string = self.detokenizer.stop_string
                 return delta
         if output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
             delta.text += self.detokenizer.finish()
@@ -351,7 +353,8 @@ class OpenAIServing:
         option = request.cache_diagnostics
         return make_context(option, self.recent_prompts, record.tenant, prompt_token_ids, segments)
 
-    def _diagnostics_json(self, prepared: Prepared, record: RequestRecord) -> dict | None:
+    def diagnostics_json(self, prepared: Prepared, record: RequestRecord) -> dict | None:
+        """The cache_diagnostics object of a finished request (None if not asked for)."""
         if prepared.diagnostics is None:
             return None
         has_tenants = bool(self.settings.api_keys)
@@ -436,6 +439,8 @@ class OpenAIServing:
         max_model_len = self.model.info.max_model_len
         room = max_model_len - num_prompt_tokens
         requested = request.requested_max_tokens
+        if requested is not None and request.caps_max_tokens:
+            requested = min(requested, max(room, 1))  # past the room: the 400 below
         if requested is None:
             if room < 1:
                 message = (
@@ -514,6 +519,8 @@ class OpenAIServing:
                 if output.error is not None:
                     raise EngineError(f"The engine failed this request: {output.error}")
                 record.cached_tokens = max(record.cached_tokens, output.num_cached_tokens)
+                if base_index == 0:
+                    record.stored_prompt_tokens = output.num_stored_prompt_tokens
                 if base_index == 0 and record.cache_diagnosis is None:
                     record.cache_diagnosis = output.cache_diagnosis
                 last_token_at = self._observe_timing(prepared, output, last_token_at, record)
@@ -584,7 +591,7 @@ class OpenAIServing:
         """The whole response at once (non-streaming)."""
         deltas = [delta async for delta in self.run(prepared, record)]
         response = prepared.formatter.response(prepared.num_choices, deltas, record.usage())
-        diagnostics = self._diagnostics_json(prepared, record)
+        diagnostics = self.diagnostics_json(prepared, record)
         return response if diagnostics is None else DiagnosedResponse.of(response, diagnostics)
 
     async def stream(self, prepared: Prepared, record: RequestRecord) -> AsyncIterator[dict]:
@@ -596,7 +603,7 @@ class OpenAIServing:
             async for delta in deltas:
                 for chunk in formatter.chunks(delta):
                     yield formatter.dump_chunk(chunk, prepared.include_usage)
-        diagnostics = self._diagnostics_json(prepared, record)
+        diagnostics = self.diagnostics_json(prepared, record)
         if prepared.include_usage:
             chunk = formatter.dump_chunk(formatter.usage_chunk(record.usage()), True)
             yield chunk if diagnostics is None else {**chunk, "cache_diagnostics": diagnostics}

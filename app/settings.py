@@ -58,6 +58,7 @@ class ServerSettings(BaseModel):
     log_prompts: bool = False
     cache_diagnostics: bool = False  # every response carries cache_diagnostics
     cache_history_size: int = Field(default=256, ge=0)  # prompts kept per tenant; 0: off
+    strip_volatile_system_lines: bool = False  # /v1/messages: drop an agent's billing line
     cors_allow_origins: tuple[str, ...] = ()
     # Caps on what one request may ask for (app/limits.py); over one: a 400 naming the field.
     max_n: int = Field(default=128, ge=1)

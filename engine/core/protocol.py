@@ -32,6 +32,9 @@ class EngineRequest:
     # priority within it (lower runs first; engine/core/fair_share.py has the bounds).
     tenant: str | None = None
     priority: int = 0
+    # The prompt's first tokens hold text the client changes per request or session (an
+    # agent's billing line): a miss inside them is classified volatile_prefix.
+    num_volatile_prefix_tokens: int = 0
 
 
 @dataclass
@@ -62,6 +65,7 @@ CACHE_MISS_REASONS = (
     "quarantined",
     "evicted",
     "below_block",
+    "volatile_prefix",
     "other_namespace",
     "no_earlier_prefix",
     "diverged",
@@ -89,6 +93,9 @@ class RequestOutput:
     finished: bool
     num_prompt_tokens: int
     num_cached_tokens: int = 0
+    # Prompt tokens whose KV this request added to the prefix cache so far (the blocks the tree
+    # took from it, not those it already held): Anthropic's cache_creation_input_tokens.
+    num_stored_prompt_tokens: int = 0
     error: str | None = None
     # sampling_params.prompt_logprobs: prompt tokens 1.. (the first has no logits before
     # it), once, in the first delta after the whole prompt was scored (with its first tokens).

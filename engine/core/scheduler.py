@@ -196,6 +196,7 @@ class Scheduler:
             prompt_logprobs=[] if params.prompt_logprobs is not None else None,
             tenant=request.tenant or "",
             priority=request.priority,
+            num_volatile_prefix_tokens=request.num_volatile_prefix_tokens,
         )
         live_tenants = {live.tenant for live in self.table.seqs.values()}
         if seq.tenant not in live_tenants:

@@ -70,8 +70,10 @@ class Sequence:
     # do not change it).
     cache_namespace: tuple[str, str, str] = ("", "", "")
     num_cached_tokens: int = 0
+    num_stored_prompt_tokens: int = 0  # prompt tokens whose KV this sequence added to the cache
     was_admitted: bool = False  # admitted at least once (num_cached_tokens is final)
     cache_diagnosis: CacheDiagnosis | None = None  # why the prompt missed (first admission)
+    num_volatile_prefix_tokens: int = 0  # EngineRequest's: a miss inside them is volatile
     arrival_step: int = 0  # the scheduler step it arrived at, for the waiting-age bound
     # Fair share (engine/core/fair_share.py): whose service this is, and its priority
     # within the tenant (lower first; the lowest-priority running sequence is preempted first).
@@ -350,6 +352,7 @@ class Request:
             finished=self.is_finished,
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
+            num_stored_prompt_tokens=self.sequences[0].num_stored_prompt_tokens,
             error=error,
             prompt_logprobs=self._take_prompt_logprobs(),
             cache_diagnosis=self.sequences[0].cache_diagnosis,

@@ -17,6 +17,9 @@ The reasons (one per request, first that applies):
   evicted            the block at the miss was cached once and evicted
   below_block        the miss lies in the prompt's last, partial block: the tree holds only
                      full blocks, so that block was never cacheable
+  volatile_prefix    the miss lies in the prompt's first tokens, which the client said hold
+                     text it changes per request (an agent's billing line); set by the KV
+                     facade over the three below
   other_namespace    nothing matched here, but another namespace holds the first block
                      (stated as one bit: nothing of the other namespace is shown)
   no_earlier_prefix  nothing in this namespace starts like it
@@ -39,6 +42,7 @@ class MissReason(enum.StrEnum):
     BELOW_BLOCK = "below_block"
     EVICTED = "evicted"
     OTHER_NAMESPACE = "other_namespace"
+    VOLATILE_PREFIX = "volatile_prefix"
     QUARANTINED = "quarantined"
     NOT_CACHEABLE = "not_cacheable"
 

@@ -40,6 +40,9 @@ from engine.kv.kv_events import KVEventSink
 from engine.kv.radix_cache import RadixCache
 from engine.kv.radix_node import MatchResult, Namespace, RadixNode
 
+# Reasons that say only "nothing matched here": a volatile prefix tells why.
+_UNEXPLAINED = (MissReason.NO_EARLIER_PREFIX, MissReason.DIVERGED, MissReason.OTHER_NAMESPACE)
+
 
 class WriteViolation(RuntimeError):
     """A slot mapping would write into a block another holder can read (invariant 2).
@@ -302,6 +305,10 @@ class KVCacheManager:
         token_ids = seq.token_slice(0, num_full_blocks * self.block_size)
         block_ids = seq.block_ids[:num_full_blocks]
         num_taken = self.prefix_cache.insert(seq.cache_namespace, token_ids, block_ids)
+        # The tree takes a suffix of the blocks offered: those past what it already held.
+        first_stored = (num_full_blocks - num_taken) * self.block_size
+        num_prompt_end = min(len(token_ids), seq.num_prompt_tokens)
+        seq.num_stored_prompt_tokens += max(0, num_prompt_end - first_stored)
         if num_taken < num_full_blocks - num_offered:
             self._adopt_tree_blocks(seq, token_ids, num_offered)
         self._num_offered_blocks[seq.seq_id] = num_full_blocks
@@ -319,6 +326,8 @@ class KVCacheManager:
         reason = classify(
             num_prompt, num_reusable, num_matched, self.block_size, dropped, elsewhere, is_cacheable
         )
+        if reason in _UNEXPLAINED and num_matched < seq.num_volatile_prefix_tokens:
+            reason = MissReason.VOLATILE_PREFIX
         self.miss_tokens_by_reason[reason] += num_prompt - num_matched
         return make_diagnosis(num_prompt, num_matched, self.block_size, reason)
 

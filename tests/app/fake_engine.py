@@ -54,6 +54,7 @@ class FakeEngine:
         name: str = "fake-model",
         max_model_len: int = 256,
         num_cached_tokens: int = 0,
+        num_stored_prompt_tokens: int = 0,
     ) -> None:
         self.tokenizer = Tokenizer(tokenizer_path)
         self.eos_token_id = self.tokenizer.eos_token_ids[0]
@@ -66,6 +67,7 @@ class FakeEngine:
             weights_version="fake-v1",
         )
         self.num_cached_tokens = num_cached_tokens
+        self.num_stored_prompt_tokens = num_stored_prompt_tokens
         self.ready = True
         self.error_on_load: str | None = None
         self.waiting = 0
@@ -213,6 +215,7 @@ class FakeEngine:
             finished=finished,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=self.num_cached_tokens,
+            num_stored_prompt_tokens=self.num_stored_prompt_tokens,
             error=error,
         )
 

@@ -49,7 +49,8 @@ async def test_every_error_response_is_the_envelope_and_422_is_gone(client) -> N
             assert errors, (path, method)
             for status in errors:
                 schema = responses[status]["content"]["application/json"]["schema"]
-                assert schema == {"$ref": "#/components/schemas/ErrorResponse"}
+                envelope = "AnthropicErrorResponse" if "/messages" in path else "ErrorResponse"
+                assert schema == {"$ref": f"#/components/schemas/{envelope}"}
                 assert responses[status]["description"]
     assert "HTTPValidationError" not in doc["components"]["schemas"]
 
@@ -74,7 +75,10 @@ async def test_api_keys_add_401_and_the_bearer_scheme(engine: FakeEngine) -> Non
                 "post" if "completions" in path or "debug" in path else "get"
             ]
             assert "401" in operation["responses"]
-            assert operation["security"] == [{"bearer": []}]
+            assert operation["security"] == [{"bearer": []}, {"apiKey": []}]
+        assert doc["components"]["securitySchemes"]["apiKey"]["name"] == "x-api-key"
+        messages = declared(doc, "/v1/messages", "post")["401"]["content"]["application/json"]
+        assert messages["schema"]["$ref"].endswith("/AnthropicErrorResponse")
         assert "401" not in declared(doc, "/health", "get")
         response = await client.post(CHAT, json=chat_body())
         assert response.status_code == 401

@@ -24,6 +24,7 @@ async def test_string_input_is_a_chat_turn(client, engine: FakeEngine) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert engine.requests[0].prompt_token_ids == engine.tokenizer.apply_chat_template(messages)
     assert data["object"] == "response" and data["status"] == "completed"
+    assert data["output"][0]["status"] == "completed"
     assert data["output"][0]["content"][0]["text"] == FAKE_TEXTS[0]
     usage = data["usage"]
     assert usage["input_tokens"] == len(engine.requests[0].prompt_token_ids)
@@ -76,10 +77,13 @@ async def test_max_output_tokens_cut_is_incomplete(client, monkeypatch) -> None:
     assert_valid("Response", data)
     assert data["status"] == "incomplete"
     assert data["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert data["output"][0]["status"] == "incomplete"  # the cut message
     assert data["usage"]["output_tokens"] == 16
     assert data["max_output_tokens"] == 16
 
 
+TOOL = {"type": "function", "name": "f"}
+NO_NAME = {"parameters": {"type": "object", "properties": {}}}
 BAD_INPUT = [
     ({"input": "hi"}, "model"),
     ({"model": MODEL}, "input"),
@@ -92,6 +96,13 @@ BAD_INPUT = [
     ({"model": MODEL, "input": "hi", "max_output_tokens": 15}, "max_output_tokens"),
     ({"model": MODEL, "input": "hi", "max_output_tokens": 1.5}, "max_output_tokens"),
     ({"model": MODEL, "input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"model": MODEL, "input": "hi", "tools": [{"type": "function", **NO_NAME}]}, "tools[0].name"),
+    ({"model": MODEL, "input": "hi", "tools": [TOOL, {**TOOL, "name": "a b"}]}, "tools[1].name"),
+    (
+        {"model": MODEL, "input": "hi", "tools": [{**TOOL, "parameters": [1]}]},
+        "tools[0].parameters",
+    ),
+    ({"model": MODEL, "input": "hi", "tools": [{**TOOL, "function": {}}]}, "tools[0].function"),
     ({"model": MODEL, "input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
     ({"model": MODEL, "input": "hi", "background": True}, "background"),
     ({"model": MODEL, "input": "hi", "include": ["file_search_call.results"]}, "include"),
@@ -109,3 +120,12 @@ async def test_bad_input_is_a_400_naming_the_field(client, body: dict, param: st
     assert response.json()["error"]["param"] == param
     ok = await client.post("/v1/responses", json={"model": MODEL, "input": "hi"})
     assert ok.status_code == 200
+
+
+async def test_a_bad_function_tool_field_is_named_in_the_message(client) -> None:
+    body = {"model": MODEL, "input": "hi", "tools": [TOOL, {"type": "function", **NO_NAME}]}
+    response = await client.post("/v1/responses", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "tools[1].name"
+    assert error["message"] == "tools[1].name: Field required"

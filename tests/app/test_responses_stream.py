@@ -146,6 +146,8 @@ async def test_max_output_tokens_cut_ends_with_response_incomplete(client, monke
     assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
     assert final["response"]["usage"]["output_tokens"] == 16
     assert text_of(events) == final["response"]["output"][0]["content"][0]["text"]
+    [item_done] = [e for e in events if e["type"] == "response.output_item.done"]
+    assert item_done["item"]["status"] == "incomplete"
     unstreamed = (await client.post(RESPONSES, json=body)).json()
     assert without_ids(final["response"]) == without_ids(unstreamed)
 
@@ -218,14 +220,34 @@ async def test_auto_text_then_a_call_is_a_message_then_a_function_call(
     assert without_ids(final) == without_ids(unstreamed)
 
 
-async def test_a_forced_call_cut_short_comes_back_as_text(client, engine: FakeEngine) -> None:
+@pytest.mark.parametrize(
+    ("num_tokens", "outputs"),
+    [
+        (16, []),  # '{"name": "get_we': not even the name
+        (45, [("get_weather", '{"city": "P', "incomplete")]),
+        (50, [("get_weather", '{"city": "Paris"}', "completed")]),  # only the closing brace cut
+    ],
+)
+async def test_a_forced_call_cut_short_is_an_incomplete_function_call(
+    client, engine: FakeEngine, num_tokens, outputs
+) -> None:
     engine.script_text(CALL_TEXT)
     body = {"model": MODEL, "input": "w", "tools": TOOLS, "tool_choice": "required"}
-    events = await stream(client, {**body, "max_output_tokens": 16})
-    assert events[-1]["type"] == "response.incomplete"
-    text = engine.tokenizer.decode(engine.tokenizer.encode(CALL_TEXT, False)[:16])
-    assert text_of(events) == text  # released when the choice ended, not before
-    assert [e["type"] for e in events[:3]] == TEXT_OPENING[:3]
+    body |= {"max_output_tokens": num_tokens}
+    events = await stream(client, body)
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        *CALL_EVENTS * len(outputs),
+        "response.incomplete",
+    ]
+    final = events[-1]["response"]
+    items = [(i["name"], i["arguments"], i["status"]) for i in final["output"]]
+    assert items == outputs
+    done_items = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done_items == final["output"]
+    unstreamed = (await client.post(RESPONSES, json=body)).json()
+    assert without_ids(final) == without_ids(unstreamed)
 
 
 async def _post_then_disconnect(app, body: dict, disconnect: anyio.Event, sent: list) -> None:

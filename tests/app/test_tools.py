@@ -319,21 +319,49 @@ async def test_tool_choice_none_never_parses_calls(client, engine) -> None:
     assert "tool_calls" not in body["choices"][0]["message"]
 
 
-async def test_call_cut_by_max_tokens_comes_back_as_content(client, engine) -> None:
-    text = json.dumps(CALL)
+PARALLEL_TEXT = json.dumps([CALL, TIME_CALL])
+WEATHER_ARGUMENTS = json.dumps(CALL["arguments"])
+# (tool_choice, text, max_tokens) -> the calls of the text cut there (a token per character)
+CUT_CALLS = [
+    (NAMED, json.dumps(CALL), 16, []),  # inside the name: '{"name": "get_we'
+    (NAMED, json.dumps(CALL), 47, [("get_weather", '{"city": "Par')]),
+    ("required", PARALLEL_TEXT, 48, [("get_weather", '{"city": "Par')]),
+    ("required", PARALLEL_TEXT, 65, [("get_weather", WEATHER_ARGUMENTS)]),  # between calls
+    ("required", PARALLEL_TEXT, 99, [("get_weather", WEATHER_ARGUMENTS), ("get_time", "{")]),
+]
+
+
+@pytest.mark.parametrize(("tool_choice", "text", "max_tokens", "calls"), CUT_CALLS)
+async def test_a_forced_call_cut_by_max_tokens_comes_back_as_tool_calls(
+    client, engine, tool_choice, text, max_tokens, calls
+) -> None:
     engine.script_text(text)
-    body = (await client.post(CHAT, json=tools_body(tool_choice=NAMED, max_tokens=5))).json()
+    fields = {"tool_choice": tool_choice, "max_tokens": max_tokens}
+    body = (await client.post(CHAT, json=tools_body(**fields))).json()
+    assert_valid("CreateChatCompletionResponse", body)
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length"
-    assert "tool_calls" not in choice["message"]
-    assert text.startswith(choice["message"]["content"]) and choice["message"]["content"]
+    message = choice["message"]
+    assert message["content"] == (None if calls else "")
+    functions = [call["function"] for call in message.get("tool_calls", [])]
+    assert [(f["name"], f["arguments"]) for f in functions] == calls
+
+
+async def test_a_forced_call_cut_by_a_stop_string_keeps_finish_reason_stop(client, engine) -> None:
+    engine.script_text(json.dumps(CALL))
+    body = (await client.post(CHAT, json=tools_body(tool_choice=NAMED, stop=["Paris"]))).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop"  # not "tool_calls": the call is cut
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "'}
 
 
 # -- streaming --------------------------------------------------------------------------------
 
 
 def assemble(chunks: list[dict], index: int = 0) -> tuple[str | None, list[dict], str | None]:
-    """(content, calls, finish_reason) of one choice, as the openai SDK accumulates them."""
+    """(content, calls, finish_reason) of one choice, as the openai SDK accumulates them;
+    each call's arguments as the text sent."""
     content, calls, finish = None, {}, None
     for chunk in chunks:
         assert_valid("CreateChatCompletionStreamResponse", chunk)
@@ -353,7 +381,7 @@ def assemble(chunks: list[dict], index: int = 0) -> tuple[str | None, list[dict]
             finish = choice["finish_reason"] or finish
     ordered = [calls[i] for i in sorted(calls)]
     assert sorted(calls) == list(range(len(calls)))
-    return content, [{**c, "arguments": json.loads(c["arguments"])} for c in ordered], finish
+    return content, ordered, finish
 
 
 @pytest.mark.parametrize(
@@ -365,8 +393,21 @@ def assemble(chunks: list[dict], index: int = 0) -> tuple[str | None, list[dict]
         (json.dumps([CALL, TIME_CALL]), {"tool_choice": "required"}),
         (json.dumps(CALL), {"tool_choice": NAMED}),
         (json.dumps(CALL), {"tool_choice": NAMED, "max_tokens": 5}),
+        (json.dumps(CALL), {"tool_choice": NAMED, "max_tokens": 47}),
+        (PARALLEL_TEXT, {"tool_choice": "required", "max_tokens": 65}),
+        (PARALLEL_TEXT, {"tool_choice": "required", "max_tokens": 99}),
     ],
-    ids=["auto-text-and-call", "auto-call", "auto-text", "required", "named", "named-cut"],
+    ids=[
+        "auto-text-and-call",
+        "auto-call",
+        "auto-text",
+        "required",
+        "named",
+        "named-cut-in-name",
+        "named-cut-in-arguments",
+        "required-cut-between-calls",
+        "required-cut-in-second-call",
+    ],
 )
 async def test_streamed_tool_calls_equal_the_non_streamed(client, engine, text, fields) -> None:
     engine.script_text(text)
@@ -377,5 +418,5 @@ async def test_streamed_tool_calls_equal_the_non_streamed(client, engine, text, 
         None,
         "",
     )
-    assert calls == (calls_of(whole["message"]) if "tool_calls" in whole["message"] else [])
+    assert calls == [call["function"] for call in whole["message"].get("tool_calls", [])]
     assert finish == whole["finish_reason"]

@@ -48,7 +48,7 @@ def reference(tiny_model_dir):
 def drive(engine: LLMEngine, requests: list[EngineRequest]) -> dict[str, dict]:
     """Add requests together, step until all finish (integrity checked after every step);
     per request: choice 0's tokens and the reported cached tokens."""
-    results = {r.request_id: {"tokens": [], "cached": None} for r in requests}
+    results = {r.request_id: {"tokens": [], "cached": None, "stored": None} for r in requests}
     for request in requests:
         engine.add_request(request)
     while engine.has_unfinished_requests():
@@ -56,6 +56,7 @@ def drive(engine: LLMEngine, requests: list[EngineRequest]) -> dict[str, dict]:
             assert output.error is None, output.error
             results[output.request_id]["tokens"] += output.outputs[0].new_token_ids
             results[output.request_id]["cached"] = output.num_cached_tokens
+            results[output.request_id]["stored"] = output.num_stored_prompt_tokens
         engine.scheduler.check_integrity()
     return results
 
@@ -119,6 +120,29 @@ def test_the_next_turn_reuses_the_prompt_and_the_answer(tiny_model_dir, hf_model
     assert second["tokens"] == hf_greedy(hf_model, turn2, ANSWER_LEN)
 
 
+@pytest.mark.parametrize(
+    ("first", "second", "num_stored"),
+    [
+        (BASE, BASE, 0),  # the tree holds all three of its blocks already
+        (BASE, CHANGED_21, 40 - 16),  # block 0 was there; blocks 1, 2 (prompt to 40) are new
+        (BASE, [*BASE[5:], *tokens(5, seed=3)], 40),  # nothing shared
+    ],
+    ids=["same", "middle", "front"],
+)
+def test_a_request_reports_the_prompt_tokens_it_added_to_the_cache(
+    tiny_model_dir, first, second, num_stored
+):
+    """40 prompt + 11 computed answer tokens fill 3 blocks: all 40 prompt tokens are stored
+    by the first request (its last block at its finish); the second adds what the tree lacked."""
+    engine = make_engine(tiny_model_dir)
+    results = one_after_another(engine, [first, second])
+    assert [r["stored"] for r in results] == [40, num_stored]
+    together = drive(engine, [EngineRequest(f"x{i}", tokens(40, 9), GREEDY) for i in range(2)])
+    assert sorted(r["stored"] for r in together.values()) == [0, 40]  # one computed it
+    off = make_engine(tiny_model_dir, enable_prefix_cache=False)
+    assert one_after_another(off, [first])[0]["stored"] == 0
+
+
 def test_cache_salt_keeps_tenants_apart(tiny_model_dir, reference):
     engine = make_engine(tiny_model_dir)
     cached = [
@@ -177,3 +201,27 @@ def test_shared_prefixes_under_preemption_match_the_reference(tiny_model_dir, re
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize(
+    ("second", "num_volatile", "reason"),
+    [
+        ([*BASE[:5], (BASE[5] + 1) % VOCAB, *BASE[6:]], 20, "volatile_prefix"),  # miss at 0
+        ([*BASE[:5], (BASE[5] + 1) % VOCAB, *BASE[6:]], 0, "diverged"),
+        (CHANGED_32, 20, "below_block"),  # the miss lies past the volatile tokens
+        (tokens(40, seed=11), 20, "volatile_prefix"),  # nothing matched at all
+    ],
+    ids=["inside", "not-marked", "past", "nothing"],
+)
+def test_a_miss_inside_the_volatile_prefix_is_counted_as_such(
+    tiny_model_dir, second, num_volatile, reason
+):
+    engine = make_engine(tiny_model_dir)
+    drive(engine, [EngineRequest("first", BASE, GREEDY)])
+    request = EngineRequest("second", second, GREEDY, num_volatile_prefix_tokens=num_volatile)
+    engine.add_request(request)
+    diagnoses = []
+    while engine.has_unfinished_requests():
+        diagnoses += [output.cache_diagnosis for output in engine.step()]
+    assert diagnoses[0].reason == reason
+    assert dict(engine.stats().prefix_cache_miss_tokens)[reason] >= len(second) - 32

@@ -6,9 +6,11 @@ openapi.yaml (chat and completions only; what it allows that kvshare lacks must 
 the field). Each case is sent once, from a fixed number per operation and generation mode
 (positive: valid by the document; negative: broken on purpose), until a time cap. Checks:
 - no 5xx;
-- every 4xx is OpenAI's error envelope; a 400 names a field (`param`) the request has or the
-  API defines, unless the body was no JSON object at all;
-- every 2xx validates against OpenAI's response schema (JSON, or each SSE chunk);
+- every 4xx is OpenAI's error envelope (Anthropic's on /v1/messages); a 400 names a field
+  (`param`, or the message on Anthropic's routes) the request has or the API defines, unless
+  the body was no JSON object at all;
+- every 2xx validates against OpenAI's response schema (JSON, or each SSE chunk), or on
+  /v1/messages against the anthropic SDK's own types;
 - for the app's own document also schemathesis' conformance checks: the status is declared,
   the content type and the body match the document, and broken input is refused.
 Afterwards (check_after): /health answers and /metrics shows nothing running or held, 0 leaked.
@@ -28,7 +30,9 @@ import httpx
 import hypothesis
 import schemathesis
 import yaml
+from anthropic.types import Message, MessageTokensCount, RawMessageStreamEvent
 from hypothesis import HealthCheck, Phase
+from pydantic import TypeAdapter, ValidationError
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -61,6 +65,12 @@ RESPONSE_SCHEMAS = {
     "/v1/responses/{response_id}": ("Response", None),
     "/v1/responses/{response_id}/input_items": ("ResponseItemList", None),
 }
+# Anthropic's paths -> the SDK's type of a JSON body, and of each SSE event.
+ANTHROPIC_TYPES: dict[str, tuple[Any, Any]] = {
+    "/v1/messages": (Message, RawMessageStreamEvent),
+    "/v1/messages/count_tokens": (MessageTokensCount, None),
+}
+ANTHROPIC_PREFIX = "/v1/messages"
 APP_CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -228,7 +238,10 @@ class Fuzzer:
             problems.append("server error: " + response.content[:300].decode(errors="replace"))
         elif status >= 400:
             sent = {**(case.query or {}), **(case.body if isinstance(case.body, dict) else {})}
-            problems += _envelope_problems(sent, response, self.known_fields)
+            if case.operation.path.startswith(ANTHROPIC_PREFIX):
+                problems += _anthropic_envelope_problems(sent, response, self.known_fields)
+            else:
+                problems += _envelope_problems(sent, response, self.known_fields)
         elif 200 <= status < 300:
             path = case.operation.path
             app_path = path if self.kind == "app" else "/v1" + path
@@ -263,8 +276,50 @@ def _envelope_problems(sent: dict[str, Any], response, known_fields: frozenset[s
     return []
 
 
+def _anthropic_envelope_problems(
+    sent: dict[str, Any], response, known_fields: frozenset[str]
+) -> list[str]:
+    """Anthropic's envelope; a 400's message names a field the request has or defines."""
+    try:
+        payload = json.loads(response.content)
+        kind, message = payload["error"]["type"], payload["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return ["4xx body is not Anthropic's error envelope"]
+    if payload.get("type") != "error" or not isinstance(kind, str) or not message:
+        return [f"4xx body is not Anthropic's error envelope: {payload}"]
+    if response.status_code != 400 or message.startswith("The request body"):
+        return []
+    if not any(name in message for name in (*sent, *known_fields)):
+        return [f"400 names no field: {message!r}"]
+    return []
+
+
+def _anthropic_problems(app_path: str, response) -> list[str]:
+    """A 2xx body of Anthropic's routes against the SDK's types (each SSE event)."""
+    final, event = ANTHROPIC_TYPES.get(app_path, (None, None))
+    content_type = response.headers.get("content-type", [""])
+    content_type = content_type[0] if isinstance(content_type, list) else content_type
+    if content_type.startswith("text/event-stream"):
+        items = [json.loads(data) for data in _sse_payloads(response.content.decode())]
+        kind = TypeAdapter(event)
+        items = [item for item in items if item.get("type") not in ("ping", "error")]
+        if not items or items[-1].get("type") != "message_stop":
+            return ["event stream does not end with message_stop"]
+    else:
+        items, kind = [json.loads(response.content)], TypeAdapter(final)
+    problems = []
+    for item in items:
+        try:
+            kind.validate_python(item)
+        except ValidationError as e:
+            problems.append(f"breaks the SDK's {kind}: {str(e)[:200]}")
+    return problems[:3]
+
+
 def response_problems(app_path: str, response) -> list[str]:
     """A 2xx body against OpenAI's schema for it (each chunk when it is an event stream)."""
+    if app_path.startswith(ANTHROPIC_PREFIX):
+        return _anthropic_problems(app_path, response)
     final, chunk = RESPONSE_SCHEMAS.get(app_path, (None, None))
     if final is None:
         return []

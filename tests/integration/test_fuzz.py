@@ -30,7 +30,7 @@ from tests.integration.server import running_server
 pytestmark = pytest.mark.integration
 
 SEED = 15
-APP_EXAMPLES, APP_SECONDS = 12, 70.0  # per operation and mode; for the whole document
+APP_EXAMPLES, APP_SECONDS = 12, 90.0  # per operation and mode; for the whole document
 OPENAI_EXAMPLES, OPENAI_SECONDS = 10, 50.0
 
 

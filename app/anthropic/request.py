@@ -1,0 +1,349 @@
+"""Anthropic's Messages request and its translation into a chat request.
+
+A Messages request is served by the chat pipeline as it is, like a Responses request:
+to_chat_request() turns system, messages (text, tool_use, tool_result; thinking dropped, as
+Anthropic drops earlier turns' thinking), tools and tool_choice into a ChatCompletionRequest,
+so templating, tool grammars and the prefix cache are the chat path's own. cache_control
+breakpoints are accepted and change nothing: the prefix cache is automatic.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field, ValidationError
+
+from app.errors import param_path
+from app.request_models import CacheDiagnosticsOptions, ChatCompletionRequest
+from app.request_parts import RequestModel
+from engine.core.errors import ParamError
+
+# A line agents put first in the system prompt that changes between sessions or requests
+# (Claude Code's attribution line, `cc_version=<version>.<hash>; ... cch=<hash>;`).
+VOLATILE_SYSTEM_LINE = re.compile(r"x-anthropic-billing-header:[^\n]*(?:\n|$)")
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class MessagesParamError(ParamError):
+    """A 400 that names the Messages field itself (the route renames only chat fields)."""
+
+
+class CacheControl(RequestModel):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(RequestModel):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: list[dict[str, Any]] | None = None
+
+
+class ToolUseBlock(RequestModel):
+    type: Literal["tool_use"]
+    id: str
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(RequestModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        """The result as the chat template's tool message reads it; an error says so."""
+        content = self.content or ""
+        text = content if isinstance(content, str) else "\n".join(b.text for b in content)
+        return f"Error: {text}" if self.is_error else text
+
+
+class ThinkingBlock(RequestModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: CacheControl | None = None
+
+
+class RedactedThinkingBlock(RequestModel):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class Message(RequestModel):
+    """A turn. `system` turns (a string or text blocks) may come between the others, as
+    Claude Code sends them."""
+
+    role: Literal["user", "assistant", "system"]
+    content: str | Annotated[list[ContentBlock], Field(min_length=1)]
+
+
+class Metadata(RequestModel):
+    user_id: str | None = None
+
+
+class ToolChoiceAuto(RequestModel):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceAny(RequestModel):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceTool(RequestModel):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNone(RequestModel):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[
+    ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone,
+    Field(discriminator="type"),
+]
+
+
+class CustomTool(RequestModel):
+    """A client tool; Anthropic's own (bash_20250124, web_search_..., ...) are refused."""
+
+    type: Literal["custom"] | None = None
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: CacheControl | None = None
+    strict: bool | None = None
+
+    def to_chat_tool(self) -> dict[str, Any]:
+        function = {"name": self.name, "parameters": self.input_schema}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+class _ChatRequest(ChatCompletionRequest):
+    """The chat request a Messages request becomes: max_tokens past the context window is
+    capped to the room left (agents send 32k whatever the model), not refused."""
+
+    caps_max_tokens: ClassVar[bool] = True
+
+
+class MessagesConversation(RequestModel):
+    """What count_tokens and create share: the prompt, tools and the options that shape it.
+
+    thinking, context_management and output_config are accepted and change nothing: the
+    served model has no reasoning mode, so no thinking blocks are made (docs/anthropic.md).
+    """
+
+    model: str
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    mcp_servers: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
+    # kvshare extensions, as on the OpenAI routes
+    cache_salt: str | None = None
+    cache_diagnostics: bool | CacheDiagnosticsOptions | None = None
+
+    def custom_tools(self) -> list[CustomTool] | None:
+        if self.tools is None:
+            return None
+        tools = []
+        for number, tool in enumerate(self.tools):
+            if tool.get("type") not in (None, "custom"):
+                message = f"tools[{number}].type {tool.get('type')!r}: only client tools are served"
+                raise MessagesParamError(f"tools[{number}].type", message)
+            try:
+                tools.append(CustomTool.model_validate(tool))
+            except ValidationError as e:
+                first = e.errors()[0]
+                where = f"tools[{number}].{param_path(first['loc']) or 'name'}"
+                raise MessagesParamError(where, f"{where}: {first['msg']}") from e
+        return tools
+
+    def check_thinking(self, max_tokens: int | None) -> None:
+        kind = (self.thinking or {}).get("type", "disabled")
+        if kind not in ("enabled", "disabled", "adaptive"):
+            message = 'thinking.type must be "enabled", "disabled" or "adaptive"'
+            raise MessagesParamError("thinking.type", message)
+        budget = (self.thinking or {}).get("budget_tokens")
+        if kind == "enabled" and not (isinstance(budget, int) and budget >= 1024):
+            message = "thinking.budget_tokens must be an integer of at least 1024"
+            raise MessagesParamError("thinking.budget_tokens", message)
+        if kind == "enabled" and max_tokens is not None and budget >= max_tokens:
+            message = "thinking.budget_tokens must be less than max_tokens"
+            raise MessagesParamError("thinking.budget_tokens", message)
+
+    def system_text(self, strip_volatile: bool) -> str | None:
+        """The system prompt as one text (blocks joined by newlines); with strip_volatile,
+        without the volatile lines it starts with (VOLATILE_SYSTEM_LINE)."""
+        if self.system is None:
+            return None
+        system = self.system
+        text = system if isinstance(system, str) else "\n".join(b.text for b in system)
+        while strip_volatile and (match := VOLATILE_SYSTEM_LINE.match(text)):
+            text = text[match.end() :]
+        return text
+
+    def has_volatile_system_line(self) -> bool:
+        text = self.system_text(strip_volatile=False)
+        return text is not None and VOLATILE_SYSTEM_LINE.match(text) is not None
+
+    def chat_fields(self, strip_volatile: bool) -> dict[str, Any]:
+        """The chat request's fields that come from the conversation."""
+        self.check_thinking(getattr(self, "max_tokens", None))
+        tools = self.custom_tools()
+        system = self.system_text(strip_volatile)
+        messages = [{"role": "system", "content": system}] if system else []
+        messages += chat_messages(self.messages)
+        fields: dict[str, Any] = {"model": self.model, "messages": messages}
+        if tools:
+            fields["tools"] = [tool.to_chat_tool() for tool in tools]
+        fields |= _chat_tool_choice(self.tool_choice, tools)
+        last = messages[-1]
+        if last["role"] == "assistant" and not last.get("tool_calls"):
+            fields["continue_final_message"] = True  # a prefilled answer is continued
+        optional = {"cache_salt": self.cache_salt, "cache_diagnostics": self._diagnostics()}
+        return fields | {name: value for name, value in optional.items() if value is not None}
+
+    def _diagnostics(self) -> Any:
+        option = self.cache_diagnostics
+        if not isinstance(option, CacheDiagnosticsOptions):
+            return option
+        earlier = option.compare_to
+        if earlier is not None and earlier.startswith("msg_"):  # a Message's id is its chat's
+            earlier = "chatcmpl-" + earlier.removeprefix("msg_")
+        return {"compare_to": earlier}
+
+    def to_chat_request(self, strip_volatile: bool = False) -> ChatCompletionRequest:
+        return _ChatRequest.model_validate(self.chat_fields(strip_volatile), strict=False)
+
+
+class MessagesRequest(MessagesConversation):
+    """POST /v1/messages. temperature is Anthropic's 0..1; metadata.user_id is the `user`
+    fair share may schedule by; service_tier is accepted (one tier here)."""
+
+    max_tokens: Annotated[int, Field(ge=1)]
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=1)] | None = None
+    metadata: Metadata | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+
+    def to_chat_request(
+        self, strip_volatile: bool = False, max_output_tokens: int | None = None
+    ) -> ChatCompletionRequest:
+        """max_tokens is a bound: capped at max_output_tokens here, at the context window's
+        room by serving (agents send 32k or 64k whatever the model)."""
+        max_tokens = min(self.max_tokens, max_output_tokens or self.max_tokens)
+        fields = self.chat_fields(strip_volatile) | {"max_tokens": max_tokens}
+        optional = {
+            "stop": self.stop_sequences,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "user": self.metadata.user_id if self.metadata else None,
+        }
+        fields |= {name: value for name, value in optional.items() if value is not None}
+        return _ChatRequest.model_validate(fields, strict=False)
+
+
+def _chat_tool_choice(choice: ToolChoice | None, tools: list[CustomTool] | None) -> dict:
+    """tool_choice and parallel_tool_calls of the chat request."""
+    if choice is None or not tools:
+        if isinstance(choice, ToolChoiceAny | ToolChoiceTool):
+            raise MessagesParamError("tool_choice", f'tool_choice "{choice.type}" needs tools')
+        return {}
+    fields: dict[str, Any] = {}
+    if getattr(choice, "disable_parallel_tool_use", None):
+        fields["parallel_tool_calls"] = False
+    if isinstance(choice, ToolChoiceTool):
+        if choice.name not in {tool.name for tool in tools}:
+            message = f"tool_choice.name {choice.name!r} is not one of the tools"
+            raise MessagesParamError("tool_choice.name", message)
+        named = {"type": "function", "function": {"name": choice.name}}
+        return fields | {"tool_choice": named}
+    return fields | {"tool_choice": {"auto": "auto", "any": "required"}.get(choice.type, "none")}
+
+
+def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """The turns as chat messages: a user turn's tool_result blocks become tool messages (in
+    order, its text between them a user message), an assistant's tool_use blocks its
+    tool_calls; thinking blocks are dropped. A tool_result must answer an earlier tool_use."""
+    out: list[dict[str, Any]] = []
+    call_ids: set[str] = set()
+    for number, message in enumerate(messages):
+        where = f"messages[{number}]"
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+        elif message.role == "assistant":
+            out.append(_assistant(message.content, where, call_ids))
+        else:
+            out += _user(message.role, message.content, where, call_ids)
+    return out
+
+
+def _assistant(blocks: list, where: str, call_ids: set[str]) -> dict[str, Any]:
+    texts, calls = [], []
+    for number, block in enumerate(blocks):
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolUseBlock):
+            call_ids.add(block.id)
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            function = {"name": block.name, "arguments": arguments}
+            calls.append({"id": block.id, "type": "function", "function": function})
+        elif isinstance(block, ToolResultBlock):
+            param = f"{where}.content[{number}]"
+            raise MessagesParamError(param, f"{param}: tool_result blocks belong in user turns")
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+    if calls:
+        message["tool_calls"] = calls
+    elif message["content"] is None:
+        message["content"] = ""  # only thinking: an empty answer
+    return message
+
+
+def _user(role: str, blocks: list, where: str, call_ids: set[str]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for number, block in enumerate(blocks):
+        param = f"{where}.content[{number}]"
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolResultBlock) and role == "user":
+            if block.tool_use_id not in call_ids:
+                message = f"{param}.tool_use_id {block.tool_use_id!r} answers no earlier tool_use"
+                raise MessagesParamError(f"{param}.tool_use_id", message)
+            if texts:
+                out.append({"role": role, "content": "\n".join(texts)})
+                texts = []
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+        else:
+            raise MessagesParamError(
+                param, f"{param}: a {block.type} block cannot be in a {role} turn"
+            )
+    if texts or not out:
+        out.append({"role": role, "content": "\n".join(texts)})
+    return out

@@ -1,0 +1,148 @@
+"""POST /v1/messages and POST /v1/messages/count_tokens: Anthropic's Messages API on the chat
+pipeline (app/anthropic/). `?beta=true` (the SDK's beta client) and the anthropic-version and
+anthropic-beta headers are accepted and change nothing; errors leave in Anthropic's envelope
+(app/errors.py), naming the Anthropic field."""
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from app.anthropic.message import MessageStream, message_id_of, message_stream, run_message
+from app.anthropic.request import (
+    VOLATILE_SYSTEM_LINE,
+    MessagesConversation,
+    MessagesParamError,
+    MessagesRequest,
+)
+from app.errors import APIError, param_path
+from app.request_models import ChatCompletionRequest
+from app.routes.deps import AdmittedServing, ReadyServing, Record, get_state
+from app.serving import OpenAIServing, Prepared
+from app.streaming import CLIENT_CLOSED_REQUEST, ClientDisconnected, cancel_on_disconnect
+from engine.core.errors import ParamError
+
+router = APIRouter()
+
+Beta = Annotated[bool | None, Query(description="Sent by the SDK's beta client; no effect.")]
+# The chat field a translated value landed in -> the Messages field the client sent.
+_FIELD_NAMES = {
+    "max_completion_tokens": "max_tokens",
+    "stop": "stop_sequences",
+    "user": "metadata.user_id",
+    "response_format": "tools",
+}
+_CHAT_TOOL = re.compile(r"^tools\[(\d+)\]\.function\.parameters")
+_CHAT_MESSAGE = re.compile(r"^messages\[\d+\].*")  # chat messages are not the client's turns
+
+
+def messages_param(param: str | None) -> str | None:
+    if param is None:
+        return None
+    param = _CHAT_TOOL.sub(r"tools[\1].input_schema", param)
+    param = _CHAT_MESSAGE.sub("messages", param)
+    return _FIELD_NAMES.get(param, param)
+
+
+@contextmanager
+def named_as_messages() -> Iterator[None]:
+    """Errors of the translated chat request name the Messages fields the client sent."""
+    try:
+        yield
+    except MessagesParamError:
+        raise
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = messages_param(param_path(first["loc"])) or "messages"
+        raise ParamError(param, f"{param}: {first['msg']}") from e
+    except ParamError as e:
+        param = messages_param(e.param) or "messages"
+        raise ParamError(param, e.message.replace(e.param or "", param)) from e
+    except APIError as e:  # context length and the like name the chat field
+        e.param = messages_param(e.param)
+        raise
+
+
+_MESSAGE_200 = {
+    200: {
+        "description": "A Message; with `stream: true`, Server-Sent Events named by their type"
+        " (message_start ... message_stop).",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+}
+
+
+@router.post("/v1/messages", response_model=None, responses=_MESSAGE_200)
+async def create_message(
+    body: MessagesRequest,
+    request: Request,
+    serving: AdmittedServing,
+    record: Record,
+    beta: Beta = None,
+) -> Response:
+    settings = serving.settings
+    with named_as_messages():
+        strip = settings.strip_volatile_system_lines
+        chat_request = body.to_chat_request(strip, serving.limits.max_output_tokens)
+        prepared = await serving.prepare(chat_request, record)
+        serving.check_tenant_limits(prepared)
+    if not strip and body.has_volatile_system_line():
+        await anyio.to_thread.run_sync(mark_volatile_prefix, serving, chat_request, prepared)
+    message_id = message_id_of(prepared)
+    if body.stream:
+        stream = MessageStream(serving, prepared, record, message_id)
+        return message_stream(stream, settings.keepalive_seconds, get_state(request).is_grace_over)
+    try:
+        work = run_message(serving, prepared, record, message_id)
+        message = await cancel_on_disconnect(request.receive, work)
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return JSONResponse(message)
+
+
+def mark_volatile_prefix(
+    serving: OpenAIServing, chat_request: ChatCompletionRequest, prepared: Prepared
+) -> None:
+    """Tell the engine how many prompt tokens the volatile line spans (to the end of its
+    line in the rendered prompt), so a miss there is counted as volatile_prefix (blocking)."""
+    tokenizer = serving.model.tokenizer
+    messages = [message.to_template_dict() for message in chat_request.messages]
+    text = tokenizer.render_chat(
+        messages, *chat_request.template_mode(), chat_request.template_tools()
+    )
+    match = VOLATILE_SYSTEM_LINE.search(text)
+    if match is None:
+        return
+    num_tokens = len(tokenizer.encode(text[: match.end()], add_special_tokens=False))
+    prepared.engine_requests = [
+        replace(request, num_volatile_prefix_tokens=num_tokens)
+        for request in prepared.engine_requests
+    ]
+
+
+class CountTokensRequest(MessagesConversation):
+    """POST /v1/messages/count_tokens: a Messages request without the sampling fields."""
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_message_tokens(
+    body: CountTokensRequest, serving: ReadyServing, beta: Beta = None
+) -> dict[str, Any]:
+    with named_as_messages():
+        return await anyio.to_thread.run_sync(count_tokens, serving, body)
+
+
+def count_tokens(serving: OpenAIServing, body: MessagesConversation) -> dict[str, Any]:
+    """{"input_tokens"}: the prompt as POST /v1/messages renders it (blocking: templating)."""
+    chat_request = body.to_chat_request(serving.settings.strip_volatile_system_lines)
+    chat_request.structured  # noqa: B018 (tool schemas, checked as served)
+    return {"input_tokens": len(serving.chat_prompt(chat_request).token_ids)}
