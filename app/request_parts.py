@@ -5,10 +5,11 @@ requests themselves, and their conversion to sampling params, are in app/request
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from app.errors import param_path
 from engine.core.errors import ParamError
 
 
@@ -16,6 +17,23 @@ class RequestModel(BaseModel):
     # strict: a JSON value of the wrong type is refused, never coerced ("2" is no number,
     # true is no 1.0, "yes" is no boolean), as the OpenAPI document says.
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+Part = TypeVar("Part", bound=BaseModel)
+
+
+def validated_part(
+    model: type[Part], value: Any, where: str, error: type[ParamError] = ParamError
+) -> Part:
+    """`value` (one item of a list the request model keeps as plain JSON, e.g. tools[i]) as
+    `model`; a bad field is an `error` naming `where`.<field>."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = param_path(first["loc"])
+        param = f"{where}.{field}" if field else where
+        raise error(param, f"{param}: {first['msg']}") from e
 
 
 # -- chat messages -------------------------------------------------------------------------

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from app.errors import param_path
 from app.request_models import ChatCompletionRequest, Seed, Temperature, TopP
-from app.request_parts import RequestModel
+from app.request_parts import RequestModel, validated_part
 from engine.core.errors import ParamError
 
 # Fields kvshare cannot honour: accepted only at the value that asks for nothing.
@@ -39,17 +38,6 @@ class ResponseFunctionTool(RequestModel):
             "type": "function",
             "function": {k: v for k, v in function.items() if v is not None},
         }
-
-
-def _function_tool(tool: dict[str, Any], where: str) -> ResponseFunctionTool:
-    """The tool at `where` (tools[i]); a bad field is a ParamError naming tools[i].<field>."""
-    try:
-        return ResponseFunctionTool.model_validate(tool)
-    except ValidationError as e:
-        first = e.errors()[0]
-        field = param_path(first["loc"])
-        param = f"{where}.{field}" if field else where
-        raise ParamError(param, f"{param}: {first['msg']}") from e
 
 
 class ResponseNamedToolChoice(RequestModel):
@@ -101,7 +89,7 @@ class ResponsesRequest(RequestModel):
             if tool.get("type") != "function":
                 message = f"tool type {tool.get('type')!r} is not supported (only 'function')"
                 raise ParamError(f"tools[{number}].type", message)
-            tools.append(_function_tool(tool, f"tools[{number}]"))
+            tools.append(validated_part(ResponseFunctionTool, tool, f"tools[{number}]"))
         return tools
 
     @property

@@ -29,14 +29,13 @@ from typing import Any
 
 from starlette.responses import StreamingResponse
 
-from app.errors import SERVER_ERROR, APIError
+from app.errors import APIError
 from app.formatting import ChoiceDelta
 from app.response_models import ChatCompletionResponse
 from app.responses_format import echoed_fields, response_object, usage_object
 from app.responses_request import ResponsesRequest
 from app.serving import OpenAIServing, Prepared, RequestRecord
-from app.streaming import KEEPALIVE, SSE_HEADERS, SSEResponse, sse_event, with_keepalive
-from app.tool_calls import ToolCallParser
+from app.streaming import KEEPALIVE, SSE_HEADERS, SSEResponse, named_sse_events
 
 logger = logging.getLogger(__name__)
 
@@ -206,14 +205,11 @@ class ResponseStream:
         """Every event but response.failed (failed() makes that one); errors propagate."""
         for event in self.events.opening():
             yield event
-        mode = getattr(self.prepared.formatter, "tool_call_mode", None)
-        parser = None if mode is None else ToolCallParser(mode)
         deltas: list[ChoiceDelta] = []
-        async with aclosing(self.serving.run(self.prepared, self.record)) as run:
-            async for delta in run:
+        async with aclosing(self.serving.run_content(self.prepared, self.record)) as run:
+            async for delta, content in run:
                 deltas.append(delta)
-                text = delta.text if parser is None else parser.feed(delta.text)
-                for event in self.events.text_delta(text):
+                for event in self.events.text_delta(content):
                     yield event
         formatter = self.prepared.formatter
         chat = formatter.response(self.prepared.num_choices, deltas, self.record.usage())
@@ -232,27 +228,12 @@ class ResponseStream:
         return self.events.failed(error, usage)
 
 
-async def _sse(
-    stream: ResponseStream, keepalive_seconds: float, stop: asyncio.Event | None
-) -> AsyncIterator[bytes]:
-    """The events as named SSE events (no `[DONE]`: the terminal event ends the stream)."""
-    try:
-        async with aclosing(with_keepalive(stream.run(), keepalive_seconds, stop)) as items:
-            async for event in items:
-                yield KEEPALIVE if event is None else sse_event(event, event["type"])
-        return
-    except APIError as e:  # the engine failed it, or the drain's grace ended
-        failed = stream.failed(e)
-    except Exception:
-        logger.exception("response stream failed")
-        failed = stream.failed(APIError(500, "Internal server error", type=SERVER_ERROR))
-    if failed is not None:
-        yield sse_event(failed, failed["type"])
-
-
 def response_stream(
     stream: ResponseStream, keepalive_seconds: float, stop: asyncio.Event | None = None
 ) -> StreamingResponse:
-    """The SSE response; a client that disconnects closes it, which aborts the request."""
-    events = _sse(stream, keepalive_seconds, stop)
+    """The SSE response (the terminal event ends it); a client that disconnects closes it,
+    which aborts the request."""
+    events = named_sse_events(
+        stream.run(), keepalive_seconds, stop, idle=lambda: KEEPALIVE, failed=stream.failed
+    )
     return SSEResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -36,7 +36,6 @@ from app.formatting import (
     ChoiceDelta,
     CompletionFormatter,
     Formatter,
-    ToolCallMode,
     echoed_prompt,
 )
 from app.limits import RequestLimits
@@ -48,6 +47,7 @@ from app.settings import ServerSettings
 from app.streaming import merge
 from app.template_check import check_chat_template
 from app.tenant_load import TenantGate, TenantLoads
+from app.tool_calls import ToolCallMode, ToolCallParser
 from engine.core.errors import KVShareError
 from engine.core.protocol import (
     CacheDiagnosis,
@@ -440,7 +440,7 @@ class OpenAIServing:
         room = max_model_len - num_prompt_tokens
         requested = request.requested_max_tokens
         if requested is not None and request.caps_max_tokens:
-            requested = min(requested, max(room, 1))  # past the room: the 400 below
+            requested = min(requested, room) if room >= 1 else None  # None: no room, a 400
         if requested is None:
             if room < 1:
                 message = (
@@ -501,6 +501,17 @@ class OpenAIServing:
             ticket.leave(record.completion_tokens)
             record.finish_reason = outcome
             self.metrics.observe_request(outcome, time.monotonic() - prepared.arrival)
+
+    async def run_content(
+        self, prepared: Prepared, record: RequestRecord
+    ) -> AsyncIterator[tuple[ChoiceDelta, str]]:
+        """run()'s deltas, each with the content the tool-call parser releases as final (the
+        delta's text when the request has no tools): what an event stream may send as text."""
+        mode = getattr(prepared.formatter, "tool_call_mode", None)
+        parser = None if mode is None else ToolCallParser(mode)
+        async with aclosing(self.run(prepared, record)) as deltas:
+            async for delta in deltas:
+                yield delta, (delta.text if parser is None else parser.feed(delta.text))
 
     async def _drive(
         self, prepared: Prepared, request: EngineRequest, base_index: int, record: RequestRecord

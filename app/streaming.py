@@ -68,6 +68,30 @@ async def sse_events(
     yield DONE
 
 
+async def named_sse_events(
+    events: AsyncIterator[dict[str, Any]],
+    keepalive_seconds: float,
+    stop: asyncio.Event | None,
+    idle: Callable[[], bytes],
+    failed: Callable[[APIError], dict[str, Any] | None],
+) -> AsyncIterator[bytes]:
+    """Events as SSE events named by their `type` (the Responses and Messages APIs), `idle()`
+    while none comes, no `[DONE]`. An error after the 200 (the engine failed the request, the
+    drain's grace ended, anything else) becomes `failed(error)`'s event, if it makes one."""
+    try:
+        async with aclosing(with_keepalive(events, keepalive_seconds, stop)) as items:
+            async for event in items:
+                yield idle() if event is None else sse_event(event, event["type"])
+        return
+    except APIError as e:
+        last = failed(e)
+    except Exception:
+        logger.exception("stream failed")
+        last = failed(APIError(500, "Internal server error", type=SERVER_ERROR))
+    if last is not None:
+        yield sse_event(last, last["type"])
+
+
 class SSEResponse(StreamingResponse):
     """A StreamingResponse that always closes its body iterator when it ends.
 

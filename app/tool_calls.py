@@ -33,6 +33,7 @@ class ParsedCall:
 
 
 TOOL_CALL_BEGIN = "<tool_call>"
+_TOOL_CALL_END = "</tool_call>"
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 # The start of a cut call object: its whole name, then maybe the "arguments" key.
 _CALL_HEAD = re.compile(
@@ -49,9 +50,10 @@ class ToolCallParser:
     `<tool_call>` (trailing whitespace and a possible start of the tag are held back); in
     FORCED mode nothing. finish() returns the rest of the content and the calls. The
     non-streamed response feeds the whole text once, so both agree by construction.
-    AUTO: a block that does not parse as a call (only a choice cut by max_tokens: the grammar
-    allows no other) comes back as content. FORCED: the text is never content; a cut output
-    gives the whole calls and the cut one (is_complete False) once its name is written.
+    AUTO: a block the output cut is a call as in FORCED; a closed block that does not parse
+    as a call (the grammar allows none) comes back as content. FORCED: the text is never
+    content; a cut output gives the whole calls and the cut one (is_complete False) once its
+    name is written.
     """
 
     def __init__(self, mode: ToolCallMode) -> None:
@@ -88,7 +90,12 @@ class ToolCallParser:
                 break
             calls.append(call)
             end = match.end()
-        rest = held[end:] if not calls else held[end:].strip()
+        tail = held[end:].strip()
+        if tail.startswith(TOOL_CALL_BEGIN) and _TOOL_CALL_END not in tail:
+            # cut by the output's end (the grammar closes every other): a call, not content
+            cut = _cut_call(tail.removeprefix(TOOL_CALL_BEGIN).strip())
+            return "", calls if cut is None else [*calls, cut]
+        rest = held[end:] if not calls else tail
         if rest and calls and self._emitted:
             rest = "\n" + rest
         return rest, calls

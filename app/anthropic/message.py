@@ -16,27 +16,65 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import StreamingResponse
 
-from app.errors import SERVER_ERROR, APIError
+from app.errors import APIError
 from app.formatting import ChoiceDelta
 from app.response_models import ChatCompletionResponse
 from app.serving import OpenAIServing, Prepared, RequestRecord
-from app.streaming import KEEPALIVE, SSE_HEADERS, SSEResponse, sse_event, with_keepalive
-from app.tool_calls import ToolCallParser
+from app.streaming import KEEPALIVE, SSE_HEADERS, SSEResponse, named_sse_events, sse_event
 
 logger = logging.getLogger(__name__)
 
 PING = {"type": "ping"}
+# The segment of the first token that differs from the previous prompt -> Anthropic's reason.
+_CHANGED = {"system": "system_changed", "tools": "tools_changed"}
+
+
+@dataclass(frozen=True)
+class DiagnosticsAsked:
+    """What a Message carries of the cache diagnostics: Anthropic's `diagnostics` (native),
+    kvshare's `cache_diagnostics` (extension); previous_missing: the previous Message named
+    is not one this tenant still has."""
+
+    native: bool = False
+    extension: bool = False
+    previous_missing: bool = False
+
+    def fields(self, ours: dict[str, Any] | None, prepared: Prepared) -> dict[str, Any]:
+        """The Message's diagnostics fields from `ours` (serving.diagnostics_json)."""
+        out: dict[str, Any] = {}
+        if self.extension and ours is not None:
+            out["cache_diagnostics"] = ours
+        if self.native:
+            out["diagnostics"] = self._native(ours, prepared)
+        return out
+
+    def _native(self, ours: dict[str, Any] | None, prepared: Prepared) -> dict[str, Any] | None:
+        """Why this prompt could not reuse the previous one: where it first differs and how
+        many of the previous prompt's tokens lie past that (null: it only appends)."""
+        if self.previous_missing:
+            return {"cache_miss_reason": {"type": "previous_message_not_found"}}
+        compare = (ours or {}).get("compare_to")
+        context = prepared.diagnostics
+        if compare is None or context is None or context.compared_token_ids is None:
+            return None
+        num_previous = len(context.compared_token_ids)
+        first = compare["first_difference_index"]
+        if first is None or first >= num_previous:
+            return None
+        kind = _CHANGED.get(compare["segment"]["kind"], "messages_changed")
+        missed = num_previous - first
+        return {"cache_miss_reason": {"type": kind, "cache_missed_input_tokens": missed}}
 
 
 def usage(record: RequestRecord) -> dict[str, int]:
     """What the prefix cache served (cache_read), what this request added to it
     (cache_creation) and the rest of the prompt (input): the three sum to the prompt."""
-    read = record.cached_tokens
-    created = min(record.stored_prompt_tokens, record.prompt_tokens - read)
+    read, created = record.cached_tokens, record.stored_prompt_tokens
     return {
         "input_tokens": record.prompt_tokens - read - created,
         "cache_creation_input_tokens": created,
@@ -101,13 +139,16 @@ def message_id_of(prepared: Prepared) -> str:
 
 
 async def run_message(
-    serving: OpenAIServing, prepared: Prepared, record: RequestRecord, message_id: str
+    serving: OpenAIServing,
+    prepared: Prepared,
+    record: RequestRecord,
+    message_id: str,
+    asked: DiagnosticsAsked,
 ) -> dict[str, Any]:
-    """The whole Message (non-streaming); cache_diagnostics beside it when asked for."""
+    """The whole Message (non-streaming), with the diagnostics asked for."""
     deltas = [delta async for delta in serving.run(prepared, record)]
     message = _final(prepared, record, message_id, deltas)
-    diagnostics = serving.diagnostics_json(prepared, record)
-    return message if diagnostics is None else {**message, "cache_diagnostics": diagnostics}
+    return message | asked.fields(serving.diagnostics_json(prepared, record), prepared)
 
 
 def _final(
@@ -124,12 +165,19 @@ class MessageStream:
     """One prepared Messages request, run through serving.run() and told as events."""
 
     def __init__(
-        self, serving: OpenAIServing, prepared: Prepared, record: RequestRecord, message_id: str
+        self,
+        serving: OpenAIServing,
+        prepared: Prepared,
+        record: RequestRecord,
+        message_id: str,
+        asked: DiagnosticsAsked,
     ) -> None:
         self.serving = serving
         self.prepared = prepared
         self.record = record
         self.message_id = message_id
+        self.asked = asked
+        self.diagnostics: dict[str, Any] = {}  # made at message_start, once the cache answered
         self.num_blocks = 0  # content blocks opened so far
         self.is_text_open = False
         self.streamed_text = ""
@@ -137,16 +185,13 @@ class MessageStream:
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """Every event but `error` (the caller makes that one); errors propagate."""
-        mode = getattr(self.prepared.formatter, "tool_call_mode", None)
-        parser = None if mode is None else ToolCallParser(mode)
         deltas: list[ChoiceDelta] = []
-        async with aclosing(self.serving.run(self.prepared, self.record)) as run:
-            async for delta in run:
+        async with aclosing(self.serving.run_content(self.prepared, self.record)) as run:
+            async for delta, content in run:
                 deltas.append(delta)
                 for event in self._start():
                     yield event
-                text = delta.text if parser is None else parser.feed(delta.text)
-                for event in self._text(text):
+                for event in self._text(content):
                     yield event
         for event in self._start():  # a prompt-only answer still starts
             yield event
@@ -158,6 +203,8 @@ class MessageStream:
         if self.has_started:
             return []
         self.has_started = True
+        ours = self.serving.diagnostics_json(self.prepared, self.record)
+        self.diagnostics = self.asked.fields(ours, self.prepared)
         message = {
             "id": self.message_id,
             "type": "message",
@@ -168,6 +215,8 @@ class MessageStream:
             "stop_sequence": None,
             "usage": usage(self.record),
         }
+        if "diagnostics" in self.diagnostics:
+            message["diagnostics"] = self.diagnostics["diagnostics"]
         return [{"type": "message_start", "message": message}]
 
     def _open(self, block: dict[str, Any]) -> list[dict[str, Any]]:
@@ -199,7 +248,10 @@ class MessageStream:
         if self.num_blocks == 0:
             events.append(PING)
         delta = {"stop_reason": final["stop_reason"], "stop_sequence": final["stop_sequence"]}
-        events.append({"type": "message_delta", "delta": delta, "usage": final["usage"]})
+        message_delta = {"type": "message_delta", "delta": delta, "usage": final["usage"]}
+        if "cache_diagnostics" in self.diagnostics:  # kvshare's extension, beside the usage
+            message_delta["cache_diagnostics"] = self.diagnostics["cache_diagnostics"]
+        events.append(message_delta)
         events.append({"type": "message_stop"})
         return events
 
@@ -215,31 +267,17 @@ class MessageStream:
         ]
 
 
-async def _sse(
-    stream: MessageStream, keepalive_seconds: float, stop: asyncio.Event | None
-) -> AsyncIterator[bytes]:
-    """The events as named SSE events; idle, a comment before message_start and a ping
-    after it; a failure after the 200 as one `error` event, which ends the stream."""
-    try:
-        events = with_keepalive(stream.events(), keepalive_seconds, stop)
-        async with aclosing(events) as items:
-            async for event in items:
-                if event is None:
-                    yield sse_event(PING, "ping") if stream.has_started else KEEPALIVE
-                else:
-                    yield sse_event(event, event["type"])
-        return
-    except APIError as e:  # the engine failed it, or the drain's grace ended
-        error = e
-    except Exception:
-        logger.exception("message stream failed")
-        error = APIError(500, "Internal server error", type=SERVER_ERROR)
-    yield sse_event(error.anthropic_body(), "error")
-
-
 def message_stream(
     stream: MessageStream, keepalive_seconds: float, stop: asyncio.Event | None = None
 ) -> StreamingResponse:
-    """The SSE response; a client that disconnects closes it, which aborts the request."""
-    events = _sse(stream, keepalive_seconds, stop)
+    """The SSE response: idle, a comment before message_start and a ping after it; a failure
+    after the 200 as one `error` event. A client that disconnects closes it, which aborts
+    the request."""
+
+    def idle() -> bytes:
+        return sse_event(PING, "ping") if stream.has_started else KEEPALIVE
+
+    events = named_sse_events(
+        stream.events(), keepalive_seconds, stop, idle, APIError.anthropic_body
+    )
     return SSEResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)

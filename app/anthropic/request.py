@@ -13,11 +13,10 @@ import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, PrivateAttr
 
-from app.errors import param_path
 from app.request_models import CacheDiagnosticsOptions, ChatCompletionRequest
-from app.request_parts import RequestModel
+from app.request_parts import RequestModel, validated_part
 from engine.core.errors import ParamError
 
 # A line agents put first in the system prompt that changes between sessions or requests
@@ -44,18 +43,21 @@ class TextBlock(RequestModel):
 
 class ToolUseBlock(RequestModel):
     type: Literal["tool_use"]
-    id: str
+    id: Annotated[str, Field(min_length=1)]
     name: Annotated[str, Field(pattern=TOOL_NAME)]
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+    caller: dict[str, Any] | None = None  # who called it (Anthropic's programmatic calls)
+    toolset_name: str | None = None
 
 
 class ToolResultBlock(RequestModel):
     type: Literal["tool_result"]
-    tool_use_id: str
+    tool_use_id: Annotated[str, Field(min_length=1)]
     content: str | list[TextBlock] | None = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
+    toolset_name: str | None = None
 
     def text(self) -> str:
         """The result as the chat template's tool message reads it; an error says so."""
@@ -94,6 +96,18 @@ class Metadata(RequestModel):
     user_id: str | None = None
 
 
+class Diagnostics(RequestModel):
+    """Anthropic's cache diagnostics: why this prompt could not reuse the one of the Message
+    `previous_message_id` names (null: opt in with nothing to compare yet)."""
+
+    previous_message_id: str | None = None
+
+
+def chat_id_of(message_id: str) -> str:
+    """A Message's id is its chat response's ("msg_X" <-> "chatcmpl-X")."""
+    return "chatcmpl-" + message_id.removeprefix("msg_")
+
+
 class ToolChoiceAuto(RequestModel):
     type: Literal["auto"]
     disable_parallel_tool_use: bool | None = None
@@ -128,7 +142,12 @@ class CustomTool(RequestModel):
     description: str | None = None
     input_schema: dict[str, Any]
     cache_control: CacheControl | None = None
-    strict: bool | None = None
+    strict: bool | None = None  # the schema is always enforced in full
+    # accepted, without effect: the whole input comes in one delta; examples, callers
+    eager_input_streaming: bool | None = None
+    input_examples: list[dict[str, Any]] | None = None
+    allowed_callers: list[str] | None = None
+    defer_loading: Literal[False] | None = None  # true asks for tool search: not served
 
     def to_chat_tool(self) -> dict[str, Any]:
         function = {"name": self.name, "parameters": self.input_schema}
@@ -147,8 +166,9 @@ class _ChatRequest(ChatCompletionRequest):
 class MessagesConversation(RequestModel):
     """What count_tokens and create share: the prompt, tools and the options that shape it.
 
-    thinking, context_management and output_config are accepted and change nothing: the
-    served model has no reasoning mode, so no thinking blocks are made (docs/anthropic.md).
+    thinking, context_management and output_config.effort are accepted and change nothing:
+    the served model has no reasoning mode, so no thinking blocks are made (docs/anthropic.md).
+    output_config.format (a JSON schema) is enforced as the chat route's response_format.
     """
 
     model: str
@@ -160,9 +180,13 @@ class MessagesConversation(RequestModel):
     context_management: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
     mcp_servers: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None
+    # accepted, without effect here: the cache is automatic, there is one speed
+    cache_control: CacheControl | None = None
+    speed: Literal["standard", "fast"] | None = None
     # kvshare extensions, as on the OpenAI routes
     cache_salt: str | None = None
     cache_diagnostics: bool | CacheDiagnosticsOptions | None = None
+    _previous_chat_id: str | None = PrivateAttr(default=None)
 
     def custom_tools(self) -> list[CustomTool] | None:
         if self.tools is None:
@@ -172,12 +196,8 @@ class MessagesConversation(RequestModel):
             if tool.get("type") not in (None, "custom"):
                 message = f"tools[{number}].type {tool.get('type')!r}: only client tools are served"
                 raise MessagesParamError(f"tools[{number}].type", message)
-            try:
-                tools.append(CustomTool.model_validate(tool))
-            except ValidationError as e:
-                first = e.errors()[0]
-                where = f"tools[{number}].{param_path(first['loc']) or 'name'}"
-                raise MessagesParamError(where, f"{where}: {first['msg']}") from e
+            where = f"tools[{number}]"
+            tools.append(validated_part(CustomTool, tool, where, MessagesParamError))
         return tools
 
     def check_thinking(self, max_tokens: int | None) -> None:
@@ -219,20 +239,48 @@ class MessagesConversation(RequestModel):
         if tools:
             fields["tools"] = [tool.to_chat_tool() for tool in tools]
         fields |= _chat_tool_choice(self.tool_choice, tools)
+        if (output_format := self._output_format()) is not None:
+            fields["response_format"] = output_format
         last = messages[-1]
         if last["role"] == "assistant" and not last.get("tool_calls"):
-            fields["continue_final_message"] = True  # a prefilled answer is continued
+            if last["content"]:
+                fields["continue_final_message"] = True  # a prefilled answer is continued
+            elif len(messages) > 1:
+                messages.pop()  # an answer of thinking alone: nothing to continue
         optional = {"cache_salt": self.cache_salt, "cache_diagnostics": self._diagnostics()}
         return fields | {name: value for name, value in optional.items() if value is not None}
 
+    def _output_format(self) -> dict[str, Any] | None:
+        """output_config.format as the chat route's response_format (None without one)."""
+        given = (self.output_config or {}).get("format")
+        if given is None:
+            return None
+        if not (isinstance(given, dict) and given.get("type") == "json_schema"):
+            message = 'output_config.format must be {"type": "json_schema", "schema": {...}}'
+            raise MessagesParamError("output_config.format", message)
+        if set(given) != {"type", "schema"} or not isinstance(given["schema"], dict):
+            message = "output_config.format takes `type` and `schema` (an object), nothing else"
+            raise MessagesParamError("output_config.format", message)
+        spec = {"name": "output", "schema": given["schema"]}
+        return {"type": "json_schema", "json_schema": spec}
+
     def _diagnostics(self) -> Any:
+        """cache_diagnostics of the chat request: the extension's, else what Anthropic's own
+        `diagnostics` needs (a comparison with the previous Message, when it is known)."""
         option = self.cache_diagnostics
-        if not isinstance(option, CacheDiagnosticsOptions):
-            return option
-        earlier = option.compare_to
-        if earlier is not None and earlier.startswith("msg_"):  # a Message's id is its chat's
-            earlier = "chatcmpl-" + earlier.removeprefix("msg_")
-        return {"compare_to": earlier}
+        if isinstance(option, CacheDiagnosticsOptions):
+            earlier = option.compare_to
+            if earlier is not None and earlier.startswith("msg_"):
+                earlier = chat_id_of(earlier)
+            return {"compare_to": earlier}
+        if option or self._previous_chat_id is None:
+            return option or (None if getattr(self, "diagnostics", None) is None else True)
+        return {"compare_to": self._previous_chat_id}
+
+    def compare_with(self, chat_id: str) -> None:
+        """Diagnose against this earlier chat prompt: diagnostics.previous_message_id's, once
+        the route knows this tenant still has it."""
+        self._previous_chat_id = chat_id
 
     def to_chat_request(self, strip_volatile: bool = False) -> ChatCompletionRequest:
         return _ChatRequest.model_validate(self.chat_fields(strip_volatile), strict=False)
@@ -250,6 +298,8 @@ class MessagesRequest(MessagesConversation):
     top_k: Annotated[int, Field(ge=1)] | None = None
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
+    diagnostics: Diagnostics | None = None
+    inference_geo: str | None = None  # accepted, without effect: one place
 
     def to_chat_request(
         self, strip_volatile: bool = False, max_output_tokens: int | None = None

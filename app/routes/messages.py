@@ -14,17 +14,25 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from app.anthropic.message import MessageStream, message_id_of, message_stream, run_message
+from app.anthropic.message import (
+    DiagnosticsAsked,
+    MessageStream,
+    message_id_of,
+    message_stream,
+    run_message,
+)
 from app.anthropic.request import (
     VOLATILE_SYSTEM_LINE,
     MessagesConversation,
     MessagesParamError,
     MessagesRequest,
+    chat_id_of,
 )
+from app.cache_diagnostics import wants_diagnostics
 from app.errors import APIError, param_path
-from app.request_models import ChatCompletionRequest
+from app.request_models import CacheDiagnosticsOptions, ChatCompletionRequest
 from app.routes.deps import AdmittedServing, ReadyServing, Record, get_state
-from app.serving import OpenAIServing, Prepared
+from app.serving import OpenAIServing, Prepared, RequestRecord
 from app.streaming import CLIENT_CLOSED_REQUEST, ClientDisconnected, cancel_on_disconnect
 from engine.core.errors import ParamError
 
@@ -36,7 +44,7 @@ _FIELD_NAMES = {
     "max_completion_tokens": "max_tokens",
     "stop": "stop_sequences",
     "user": "metadata.user_id",
-    "response_format": "tools",
+    "response_format": "output_config.format",
 }
 _CHAT_TOOL = re.compile(r"^tools\[(\d+)\]\.function\.parameters")
 _CHAT_MESSAGE = re.compile(r"^messages\[\d+\].*")  # chat messages are not the client's turns
@@ -63,7 +71,7 @@ def named_as_messages() -> Iterator[None]:
         raise ParamError(param, f"{param}: {first['msg']}") from e
     except ParamError as e:
         param = messages_param(e.param) or "messages"
-        raise ParamError(param, e.message.replace(e.param or "", param)) from e
+        raise ParamError(param, e.message.replace(e.param or "", param, 1)) from e
     except APIError as e:  # context length and the like name the chat field
         e.param = messages_param(e.param)
         raise
@@ -90,6 +98,7 @@ async def create_message(
     beta: Beta = None,
 ) -> Response:
     settings = serving.settings
+    asked = diagnostics_asked(serving, body, record)
     with named_as_messages():
         strip = settings.strip_volatile_system_lines
         chat_request = body.to_chat_request(strip, serving.limits.max_output_tokens)
@@ -99,26 +108,42 @@ async def create_message(
         await anyio.to_thread.run_sync(mark_volatile_prefix, serving, chat_request, prepared)
     message_id = message_id_of(prepared)
     if body.stream:
-        stream = MessageStream(serving, prepared, record, message_id)
+        stream = MessageStream(serving, prepared, record, message_id, asked)
         return message_stream(stream, settings.keepalive_seconds, get_state(request).is_grace_over)
     try:
-        work = run_message(serving, prepared, record, message_id)
+        work = run_message(serving, prepared, record, message_id, asked)
         message = await cancel_on_disconnect(request.receive, work)
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(message)
 
 
+def diagnostics_asked(
+    serving: OpenAIServing, body: MessagesRequest, record: RequestRecord
+) -> DiagnosticsAsked:
+    """What diagnostics the Message carries; a previous_message_id this tenant still has
+    becomes the comparison (one it does not: previous_message_not_found, not a 404)."""
+    previous_missing = False
+    previous = body.diagnostics.previous_message_id if body.diagnostics else None
+    if previous is not None and not isinstance(body.cache_diagnostics, CacheDiagnosticsOptions):
+        try:
+            serving.recent_prompts.lookup(record.tenant, chat_id_of(previous))
+            body.compare_with(chat_id_of(previous))
+        except APIError:
+            previous_missing = True
+    extension = wants_diagnostics(body.cache_diagnostics, serving.settings.cache_diagnostics)
+    return DiagnosticsAsked(body.diagnostics is not None, extension, previous_missing)
+
+
 def mark_volatile_prefix(
     serving: OpenAIServing, chat_request: ChatCompletionRequest, prepared: Prepared
 ) -> None:
     """Tell the engine how many prompt tokens the volatile line spans (to the end of its
-    line in the rendered prompt), so a miss there is counted as volatile_prefix (blocking)."""
+    line in the rendered system message, which the prompt starts with), so a miss there is
+    counted as volatile_prefix (blocking)."""
     tokenizer = serving.model.tokenizer
-    messages = [message.to_template_dict() for message in chat_request.messages]
-    text = tokenizer.render_chat(
-        messages, *chat_request.template_mode(), chat_request.template_tools()
-    )
+    system = chat_request.messages[0].to_template_dict()
+    text = tokenizer.render_chat([system], False, False, None)
     match = VOLATILE_SYSTEM_LINE.search(text)
     if match is None:
         return

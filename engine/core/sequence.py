@@ -71,6 +71,7 @@ class Sequence:
     cache_namespace: tuple[str, str, str] = ("", "", "")
     num_cached_tokens: int = 0
     num_stored_prompt_tokens: int = 0  # prompt tokens whose KV this sequence added to the cache
+    stored_prompt_end: int = 0  # prompt positions before it were counted (stored or served)
     was_admitted: bool = False  # admitted at least once (num_cached_tokens is final)
     cache_diagnosis: CacheDiagnosis | None = None  # why the prompt missed (first admission)
     num_volatile_prefix_tokens: int = 0  # EngineRequest's: a miss inside them is volatile

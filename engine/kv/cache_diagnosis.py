@@ -17,9 +17,9 @@ The reasons (one per request, first that applies):
   evicted            the block at the miss was cached once and evicted
   below_block        the miss lies in the prompt's last, partial block: the tree holds only
                      full blocks, so that block was never cacheable
-  volatile_prefix    the miss lies in the prompt's first tokens, which the client said hold
-                     text it changes per request (an agent's billing line); set by the KV
-                     facade over the three below
+  volatile_prefix    an earlier prompt matched, then differs inside the prompt's first
+                     tokens, which the client said hold text it changes per request (an
+                     agent's billing line); set by the KV facade over `diverged`
   other_namespace    nothing matched here, but another namespace holds the first block
                      (stated as one bit: nothing of the other namespace is shown)
   no_earlier_prefix  nothing in this namespace starts like it

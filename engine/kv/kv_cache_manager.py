@@ -40,9 +40,6 @@ from engine.kv.kv_events import KVEventSink
 from engine.kv.radix_cache import RadixCache
 from engine.kv.radix_node import MatchResult, Namespace, RadixNode
 
-# Reasons that say only "nothing matched here": a volatile prefix tells why.
-_UNEXPLAINED = (MissReason.NO_EARLIER_PREFIX, MissReason.DIVERGED, MissReason.OTHER_NAMESPACE)
-
 
 class WriteViolation(RuntimeError):
     """A slot mapping would write into a block another holder can read (invariant 2).
@@ -305,13 +302,21 @@ class KVCacheManager:
         token_ids = seq.token_slice(0, num_full_blocks * self.block_size)
         block_ids = seq.block_ids[:num_full_blocks]
         num_taken = self.prefix_cache.insert(seq.cache_namespace, token_ids, block_ids)
-        # The tree takes a suffix of the blocks offered: those past what it already held.
-        first_stored = (num_full_blocks - num_taken) * self.block_size
-        num_prompt_end = min(len(token_ids), seq.num_prompt_tokens)
-        seq.num_stored_prompt_tokens += max(0, num_prompt_end - first_stored)
+        self._count_stored_prompt(seq, num_full_blocks, num_taken)
         if num_taken < num_full_blocks - num_offered:
             self._adopt_tree_blocks(seq, token_ids, num_offered)
         self._num_offered_blocks[seq.seq_id] = num_full_blocks
+
+    def _count_stored_prompt(self, seq: Sequence, num_full_blocks: int, num_taken: int) -> None:
+        """Add to seq.num_stored_prompt_tokens the prompt positions the tree just took from it:
+        the tree takes a suffix of the blocks offered (past what it held); positions the cache
+        served (num_cached_tokens, a copied partial block's too) or counted before (a block
+        stored again after a preemption) are not new."""
+        end = min(num_full_blocks * self.block_size, seq.num_prompt_tokens)
+        first_taken = (num_full_blocks - num_taken) * self.block_size
+        first_new = max(first_taken, seq.num_cached_tokens, seq.stored_prompt_end)
+        seq.num_stored_prompt_tokens += max(0, end - first_new)
+        seq.stored_prompt_end = max(seq.stored_prompt_end, end)
 
     def diagnose(self, seq: Sequence) -> CacheDiagnosis:
         """Why seq's prompt missed the cache; call once, right after its first admission
@@ -326,7 +331,7 @@ class KVCacheManager:
         reason = classify(
             num_prompt, num_reusable, num_matched, self.block_size, dropped, elsewhere, is_cacheable
         )
-        if reason in _UNEXPLAINED and num_matched < seq.num_volatile_prefix_tokens:
+        if reason == MissReason.DIVERGED and num_matched < seq.num_volatile_prefix_tokens:
             reason = MissReason.VOLATILE_PREFIX
         self.miss_tokens_by_reason[reason] += num_prompt - num_matched
         return make_diagnosis(num_prompt, num_matched, self.block_size, reason)

@@ -14,7 +14,7 @@ import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from fake_engine import Failure, FakeEngine
 from helpers import MODEL, make_settings, open_client
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 pytestmark = pytest.mark.anyio
 
@@ -120,6 +120,10 @@ async def test_max_tokens_past_the_context_is_capped_not_refused(client, engine)
     assert message["stop_reason"] == "end_turn"
     request = engine.requests[-1]
     assert request.sampling_params.max_tokens == 4096 - len(request.prompt_token_ids)
+    too_long = body(messages=[{"role": "user", "content": "word " * 5000}])
+    refused = await client.post("/v1/messages", json=too_long)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"].startswith("messages: This model's maximum")
 
 
 @pytest.mark.parametrize(
@@ -238,9 +242,16 @@ async def test_the_billing_line_is_stripped_only_when_the_setting_says(engine) -
             await client.post("/v1/messages", json=request)
     assert engine.requests[0].prompt_token_ids == engine.requests[1].prompt_token_ids
     assert counted[0] == counted[1] == {"input_tokens": len(engine.requests[0].prompt_token_ids)}
+    assert [r.num_volatile_prefix_tokens for r in engine.requests] == [0, 0]
     async with open_client(engine) as client:
         await client.post("/v1/messages", json=first_line)
-    assert BILLING in prompt_text(engine)
+        await client.post("/v1/messages", json=without)
+    assert BILLING in prompt_text(engine, -2)
+    kept = engine.requests[-2]  # the engine is told where the line ends, in tokens
+    num_tokens = kept.num_volatile_prefix_tokens
+    assert BILLING in engine.tokenizer.decode(kept.prompt_token_ids[:num_tokens], False)
+    assert BILLING not in engine.tokenizer.decode(kept.prompt_token_ids[: num_tokens - 2], False)
+    assert engine.requests[-1].num_volatile_prefix_tokens == 0
 
 
 def counting(request: dict) -> dict:
@@ -267,8 +278,33 @@ async def test_thinking_and_agent_options_are_accepted(client, engine) -> None:
     response = await client.post("/v1/messages?beta=true", json=agent)
     assert response.status_code == 200, response.text
     assert "Skills: none." in prompt_text(engine)
+    sdk_fields = {"eager_input_streaming": True, "input_examples": [{"city": "Paris"}]}
+    tools = [{**TOOLS[0], **sdk_fields, "defer_loading": False}]
+    newer = body(tools=tools, cache_control={"type": "ephemeral"}, speed="standard")
+    assert (await client.post("/v1/messages", json=newer)).status_code == 200
+    counted = await client.post("/v1/messages/count_tokens", json=counting(newer))
+    assert counted.status_code == 200, counted.text
+    thought = {"role": "assistant", "content": [{"type": "thinking", "thinking": "t"}]}
+    only_thinking = body(messages=[*USER, thought])  # nothing to continue: a new answer
+    assert (await client.post("/v1/messages", json=only_thinking)).status_code == 200
+    await client.post("/v1/messages", json=body())
+    assert engine.requests[-2].prompt_token_ids == engine.requests[-1].prompt_token_ids
     enabled = body(thinking={"type": "enabled", "budget_tokens": 2048}, max_tokens=4000)
     assert (await client.post("/v1/messages", json=enabled)).status_code == 200
+
+
+class Weather(BaseModel):
+    city: str
+    days: int
+
+
+async def test_output_config_format_is_enforced_and_the_sdk_parses_it(client, engine) -> None:
+    engine.script_text('{"city": "Paris", "days": 2}')
+    parsed = await sdk(client).messages.parse(**body(), output_format=Weather)
+    assert parsed.parsed_output == Weather(city="Paris", days=2)
+    structured = engine.requests[-1].sampling_params.structured
+    assert structured.kind == "json_schema"
+    assert set(json.loads(structured.schema)["properties"]) == {"city", "days"}
 
 
 BAD = [
@@ -286,6 +322,8 @@ BAD = [
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"name": "get_weather"}]}, "tools[0].input_schema"),
     ({"tools": [{"name": "bad name", "input_schema": WEATHER}]}, "tools[0].name"),
+    ({"tools": [{**TOOLS[0], "defer_loading": True}]}, "tools[0].defer_loading"),
+    ({"stop_sequences": ["a"] * 17}, "stop_sequences has 17"),
     ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     (
@@ -294,6 +332,15 @@ BAD = [
     ),
     ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens"),
     ({"unknown_field": 1}, "unknown_field"),
+    ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format"),
+    (
+        {
+            "output_config": {
+                "format": {"type": "json_schema", "schema": {"type": "object", "not": {}}}
+            }
+        },
+        "output_config.format",
+    ),
     (
         {
             "messages": [
@@ -350,3 +397,43 @@ async def test_a_failure_mid_stream_is_an_error_event_and_the_sdk_raises(client,
     with pytest.raises(anthropic.APIStatusError):
         async with sdk(client).messages.stream(**body()) as stream:
             await stream.get_final_message()
+
+
+async def test_anthropics_diagnostics_say_what_changed_since_the_previous_message(client):
+    system = "Be brief."
+    first = await sdk(client).messages.create(**body(system=system), diagnostics={})
+    assert first.diagnostics is None  # nothing to compare yet
+    follow_up = [
+        *USER,
+        {"role": "assistant", "content": first.content[0].text},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    previous = {"previous_message_id": first.id}
+    grown = await sdk(client).messages.create(
+        **body(system=system, messages=follow_up), diagnostics=previous
+    )
+    assert grown.diagnostics is None  # it only appends to the previous prompt
+    changed = await sdk(client).messages.create(**body(system="Be long."), diagnostics=previous)
+    reason = changed.diagnostics.cache_miss_reason
+    assert reason.type == "system_changed" and reason.cache_missed_input_tokens > 0
+    reworded = [{"role": "user", "content": "What is the weather in Rome?"}]
+    messages = await sdk(client).messages.create(
+        **body(system=system, messages=reworded), diagnostics=previous
+    )
+    assert messages.diagnostics.cache_miss_reason.type == "messages_changed"
+    unknown = {"previous_message_id": "msg_000000000000000000000000"}
+    lost = await sdk(client).messages.create(**body(), diagnostics=unknown)
+    assert lost.diagnostics.cache_miss_reason.type == "previous_message_not_found"
+    assert "cache_diagnostics" not in lost.model_dump()  # the extension was not asked for
+
+
+async def test_the_cache_diagnostics_extension_works_whole_and_streamed(client) -> None:
+    first = (await client.post("/v1/messages", json=body())).json()
+    asked = {"compare_to": first["id"]}
+    whole = (await client.post("/v1/messages", json=body(cache_diagnostics=asked))).json()
+    assert whole["cache_diagnostics"]["compare_to"]["id"] == "chatcmpl-" + first["id"][4:]
+    assert whole["cache_diagnostics"]["compare_to"]["first_difference_index"] is None
+    streamed = body(cache_diagnostics=True, stream=True)
+    events = events_of((await client.post("/v1/messages", json=streamed)).text)
+    [delta] = [event for event in events if event["type"] == "message_delta"]
+    assert delta["cache_diagnostics"]["prompt_tokens"] == delta["usage"]["input_tokens"]

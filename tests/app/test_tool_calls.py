@@ -61,8 +61,17 @@ def test_forced_output_streamed_piece_by_piece_is_never_content(text: str, calls
     assert parser.finish() == ("", calls)
 
 
-def test_a_cut_auto_call_is_still_content() -> None:
+@pytest.mark.parametrize(
+    ("cut_at", "calls"),
+    [
+        (5, []),  # inside the name: no call, and no markup as content
+        (30, [ParsedCall("get_weather", "", is_complete=False)]),  # before "arguments"
+        (50, [ParsedCall("get_weather", '{"city": "Par', is_complete=False)]),
+        (len(WEATHER), [WEATHER_CALL]),  # only the closing tag cut
+    ],
+)
+def test_a_cut_auto_call_is_a_call_never_markup(cut_at, calls) -> None:
     parser = ToolCallParser(ToolCallMode.AUTO)
-    text = f"Let me check.\n<tool_call>\n{WEATHER[:30]}"
+    text = f"Let me check.\n<tool_call>\n{WEATHER[:cut_at]}"
     assert parser.feed(text) == "Let me check."
-    assert parser.finish() == (f"<tool_call>\n{WEATHER[:30]}", [])
+    assert parser.finish() == ("", calls)

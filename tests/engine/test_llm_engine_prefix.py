@@ -124,7 +124,7 @@ def test_the_next_turn_reuses_the_prompt_and_the_answer(tiny_model_dir, hf_model
     ("first", "second", "num_stored"),
     [
         (BASE, BASE, 0),  # the tree holds all three of its blocks already
-        (BASE, CHANGED_21, 40 - 16),  # block 0 was there; blocks 1, 2 (prompt to 40) are new
+        (BASE, CHANGED_21, 40 - 21),  # 21 served (5 copied from block 1); the rest is new
         (BASE, [*BASE[5:], *tokens(5, seed=3)], 40),  # nothing shared
     ],
     ids=["same", "middle", "front"],
@@ -200,6 +200,9 @@ def test_shared_prefixes_under_preemption_match_the_reference(tiny_model_dir, re
     assert [results[f"r{i}"]["tokens"] for i in range(8)] == reference(prompts)
     stats = engine.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    for number, prompt in enumerate(prompts):  # a recomputed prompt is never counted twice
+        result = results[f"r{number}"]
+        assert result["cached"] + result["stored"] <= len(prompt), result
     assert_all_blocks_free(engine)
 
 
@@ -209,7 +212,7 @@ def test_shared_prefixes_under_preemption_match_the_reference(tiny_model_dir, re
         ([*BASE[:5], (BASE[5] + 1) % VOCAB, *BASE[6:]], 20, "volatile_prefix"),  # miss at 0
         ([*BASE[:5], (BASE[5] + 1) % VOCAB, *BASE[6:]], 0, "diverged"),
         (CHANGED_32, 20, "below_block"),  # the miss lies past the volatile tokens
-        (tokens(40, seed=11), 20, "volatile_prefix"),  # nothing matched at all
+        (tokens(40, seed=11), 20, "no_earlier_prefix"),  # nothing matched: not the line
     ],
     ids=["inside", "not-marked", "past", "nothing"],
 )

@@ -356,3 +356,31 @@ def test_longest_prefix_first_with_an_age_bound(policy, blocker_max_tokens, firs
     admitted = [s.seq_id for out in runner.steps for s in out.seqs if s.seq_id in (2, 3)]
     assert admitted[0] == seq_ids[first]
     assert results["y"].num_cached_tokens == 8
+
+
+def test_a_sequence_counts_the_prompt_tokens_the_tree_took_from_it_once() -> None:
+    """num_stored_prompt_tokens: new full prompt blocks only; not what a partial copy served,
+    not a block stored again after a preemption evicted it."""
+    manager = make_manager()
+
+    def run(seq: Sequence) -> None:
+        num_tokens = manager.admit(seq, 100)
+        if not seq.was_admitted:  # what the scheduler records at the first admission
+            seq.num_cached_tokens, seq.was_admitted = seq.num_computed_tokens, True
+        manager.slot_mapping(seq, num_tokens)
+        seq.num_computed_tokens += num_tokens
+        manager.insert_prefix(seq)
+
+    first = make_seq(1, list(range(10)))  # blocks of 4: two full prompt blocks
+    run(first)
+    assert first.num_stored_prompt_tokens == 8
+    second = make_seq(2, [*range(6), 99, 98, 97, 96])  # 4 from block 0, 2 copied from block 1
+    run(second)
+    assert (second.num_cached_tokens, second.num_stored_prompt_tokens) == (6, 2)
+    manager.free(first)
+    manager.free(second)
+    assert manager.evict(8)  # every cached block goes
+    first.reset_for_recompute()
+    run(first)  # recomputed after a preemption: stored again, counted once
+    assert first.num_stored_prompt_tokens == 8
+    manager.check_integrity([first])
