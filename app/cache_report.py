@@ -11,6 +11,7 @@ prompt's text there as the example. Nothing outside the tenant's own window is r
 from __future__ import annotations
 
 import json
+import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Sequence
@@ -109,9 +110,13 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def fetch_report(base_url: str, api_key: str | None, timeout_s: float = 30.0) -> dict:
-    """GET base_url/debug/cache_report (urllib: the CLI stays light)."""
-    request = urllib.request.Request(base_url.rstrip("/") + "/debug/cache_report")
+def fetch_report(
+    base_url: str, api_key: str | None, cache_salt: str | None = None, timeout_s: float = 30.0
+) -> dict:
+    """GET base_url/debug/cache_report, of one cache_salt's prompts (urllib: the CLI stays
+    light)."""
+    query = "" if cache_salt is None else "?" + urllib.parse.urlencode({"cache_salt": cache_salt})
+    request = urllib.request.Request(base_url.rstrip("/") + "/debug/cache_report" + query)
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     with urllib.request.urlopen(request, timeout=timeout_s) as response:

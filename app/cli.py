@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8000")
     report.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    report.add_argument("--cache-salt", help="the cache_salt of the prompts (none: unsalted)")
     report.add_argument("--json", action="store_true", help="print the report's JSON")
     report.set_defaults(handler=_cache_report)
     return parser
@@ -87,7 +88,7 @@ def _cache_report(args: argparse.Namespace) -> int:
     from app.cache_report import fetch_report, format_report
 
     try:
-        report = fetch_report(args.url, args.api_key)
+        report = fetch_report(args.url, args.api_key, args.cache_salt)
     except (HTTPError, URLError, OSError) as exc:
         print(f"kvshare cache-report: error: {exc}", file=sys.stderr)
         return 1

@@ -29,6 +29,8 @@ class RequestLimits:
     max_stop_strings: int
     max_stop_string_chars: int
     max_logit_bias_entries: int
+    max_stop_token_ids: int
+    max_logprob_entries: int
     max_top_logprobs: int
     max_tools: int
     max_schema_bytes: int
@@ -86,7 +88,20 @@ class RequestLimits:
                 raise ParamError("stop", message)
         bias = request.logit_bias or {}
         _at_most(bias, self.max_logit_bias_entries, "logit_bias", "entries")
+        stop_ids = request.stop_token_ids or []
+        _at_most(stop_ids, self.max_stop_token_ids, "stop_token_ids", "token ids")
         self._check_schema(request.response_schema_text, "response_format")
+
+    def check_logprob_entries(self, num_entries: int, param: str) -> None:
+        """ParamError naming `param` when a response would carry more token logprobs than
+        max_logprob_entries (num_entries: choices x tokens x (top logprobs + 1))."""
+        if num_entries > self.max_logprob_entries:
+            message = (
+                f"{param}: the response would carry {num_entries} token logprobs (choices x "
+                f"tokens x (top logprobs + 1)); the limit is {self.max_logprob_entries} "
+                "(max_logprob_entries)"
+            )
+            raise ParamError(param, message)
 
     @staticmethod
     def _check_value(value: int | None, limit: int, param: str) -> None:
@@ -120,6 +135,7 @@ _KEYS = {
     "messages": "max_messages",
     "stop": "max_stop_strings",
     "logit_bias": "max_logit_bias_entries",
+    "stop_token_ids": "max_stop_token_ids",
     "tools": "max_tools",
 }
 

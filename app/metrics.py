@@ -319,13 +319,43 @@ class ServerMetrics:
         with self._lock:
             self._stats = stats
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition of everything in this registry."""
-        return generate_latest(self.registry)
+    def render(self, tenant_view: bool = False) -> bytes:
+        """The Prometheus text exposition of everything in this registry; tenant_view: what a
+        tenant may read (_TenantView)."""
+        return generate_latest(_TenantView(self.registry) if tenant_view else self.registry)
 
     def snapshot(self) -> tuple[EngineStats, dict[str, int]]:
         with self._lock:
             return self._stats, dict(self._finished)
+
+
+class _TenantView:
+    """The registry as a tenant may read it: no per-tenant series (kvshare_tenant_*), and
+    misses whose prompt another namespace holds counted as no_earlier_prefix (the series stays,
+    at 0), so no figure says what another tenant has cached or sent."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            if metric.name.startswith("kvshare_tenant_"):
+                continue
+            if metric.name == "kvshare_prefix_cache_miss_tokens":
+                metric.samples = _folded(metric.samples, "other_namespace", "no_earlier_prefix")
+            yield metric
+
+
+def _folded(samples: list, reason: str, into: str) -> list:
+    moved = sum(s.value for s in samples if s.labels.get("reason") == reason)
+    folded = []
+    for sample in samples:
+        if sample.labels.get("reason") == reason:
+            sample = sample._replace(value=0.0)
+        elif sample.labels.get("reason") == into:
+            sample = sample._replace(value=sample.value + moved)
+        folded.append(sample)
+    return folded
 
 
 class _SnapshotCollector(Collector):

@@ -52,7 +52,8 @@ class AnthropicErrorResponse(BaseModel):
 _REASONS = {
     400: "Invalid request: `param` (or the message) names the field.",
     401: "Missing or invalid API key (`Authorization: Bearer <key>`).",
-    403: "Fault injection is disabled on this server.",
+    403: "Fault injection is disabled on this server, or the route is the operator's and no"
+    " operator_keys are set.",
     404: "Unknown model (`param` is `model`), an unknown, deleted, expired or other tenant's"
     " stored response, or a disabled feature.",
     409: "No cached block to aim the fault drill at.",
@@ -86,8 +87,9 @@ ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("/debug/kv_blocks", "get"): (404, 500, 503),
     ("/debug/cache_report", "get"): (400, 404, 500, 503),
 }
-# app/server.py's ApiKeyMiddleware guards these
+# app/server.py's ApiKeyMiddleware guards these, but the operator's (OperatorKeyMiddleware)
 KEYED_PREFIXES = ("/v1/", "/debug/", "/tokenize", "/detokenize")
+OPERATOR_PATHS = ("/metrics", "/debug/faults", "/debug/kv_blocks")
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 _ANTHROPIC_ERROR_REF = {"$ref": "#/components/schemas/AnthropicErrorResponse"}
 
@@ -134,6 +136,7 @@ def declare_errors(document: dict[str, Any], settings: Settings) -> None:
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     keyed = bool(settings.server.api_keys)
+    operator = bool(settings.server.operator_keys)
     if keyed:
         scheme = {"type": "http", "scheme": "bearer", "description": "One of api_keys."}
         header = {"type": "apiKey", "in": "header", "name": "x-api-key"}
@@ -144,7 +147,9 @@ def declare_errors(document: dict[str, Any], settings: Settings) -> None:
             statuses = set(ROUTE_ERRORS.get((path, method), (500,)))
             if method == "post":
                 statuses.add(413)
-            if keyed and path.startswith(KEYED_PREFIXES):
+            if path in OPERATOR_PATHS:
+                statuses |= {401} if operator else {403} if keyed and path != "/metrics" else set()
+            elif keyed and path.startswith(KEYED_PREFIXES):
                 statuses.add(401)
                 operation["security"] = [{"bearer": []}, {"apiKey": []}]
             responses = operation.setdefault("responses", {})
@@ -166,6 +171,7 @@ def declare_limits(document: dict[str, Any], limits: RequestLimits) -> None:
         _bound(properties.get("n"), "integer", maximum=limits.max_n)
         _bound(properties.get("max_tokens"), "integer", maximum=limits.max_output_tokens)
         _bound(properties.get("logit_bias"), "object", maxProperties=limits.max_logit_bias_entries)
+        _bound(properties.get("stop_token_ids"), "array", maxItems=limits.max_stop_token_ids)
         stop = properties.get("stop")
         _bound(stop, "string", maxLength=limits.max_stop_string_chars)
         _bound(stop, "array", maxItems=limits.max_stop_strings)

@@ -2,7 +2,9 @@
 
 A stored response is kept under a scope, the tenant that made it (API key and cache_salt,
 scope_of()); every read names the scope, so another tenant's id reads as unknown. The store
-is bounded by count, bytes and age; the oldest responses go first. One SQLite file (WAL,
+is bounded by count, bytes and age. Age is per response; count and bytes are shared fairly
+between the tenants (tenant_of(): a tenant's salts count as the tenant), so one tenant's flood
+evicts its own oldest responses, not another's (_Holdings). One SQLite file (WAL,
 synchronous=FULL) holds them: a response the client got back as stored was committed before
 the answer left, so a restart or a kill -9 does not lose it. Replicas behind a router need
 session affinity or a shared ResponseStore (the interface below) to see each other's responses.
@@ -28,6 +30,12 @@ def scope_of(tenant: str | None, cache_salt: str | None) -> str:
     """The store scope of a request: its tenant (a hash of the API key, or None without keys)
     narrowed by its cache_salt, as the prefix cache's namespace is (app/serving.py)."""
     return json.dumps([tenant, cache_salt])
+
+
+def tenant_of(scope: str) -> str | None:
+    """The tenant of a scope: its salts share the tenant's part of the store's bounds, so a
+    tenant gets no more room by sending more salts."""
+    return json.loads(scope)[0]
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,7 @@ class SqliteResponseStore:
         connection.execute("PRAGMA journal_mode=WAL")
         connection.execute("PRAGMA synchronous=FULL")  # a commit is on disk when it returns
         connection.execute("PRAGMA busy_timeout=5000")  # another process on the same file
+        connection.create_function("tenant_of", 1, tenant_of, deterministic=True)
         connection.execute(
             "CREATE TABLE IF NOT EXISTS responses ("
             " seq INTEGER PRIMARY KEY AUTOINCREMENT,"  # insertion order: oldest first
@@ -139,6 +148,10 @@ class SqliteResponseStore:
             " stored_at REAL NOT NULL,"
             " num_bytes INTEGER NOT NULL,"
             " body TEXT NOT NULL)"
+        )
+        # Each put sums every scope's holding (_Holdings): read from this index, not the bodies.
+        connection.execute(
+            "CREATE INDEX IF NOT EXISTS responses_by_scope ON responses (scope, num_bytes)"
         )
         self._connection = connection
         with self._transaction():
@@ -173,13 +186,15 @@ class SqliteResponseStore:
             return False
         with self._transaction():
             evictions = {"ttl": self._evict_expired()}
-            self._db.execute(
+            new_seq = self._db.execute(
                 "INSERT INTO responses (response_id, scope, stored_at, num_bytes, body)"
                 " VALUES (?, ?, ?, ?, ?)",
                 (stored.response_id, scope, self.clock(), num_bytes, body),
-            )
-            evictions["count"] = self._evict_over_count()
-            evictions["bytes"] = self._evict_over_bytes()
+            ).lastrowid
+            assert new_seq is not None
+            holdings = _Holdings(self._db, tenant_of(scope), new_seq)
+            evictions["count"] = holdings.evict_over("count", self.limits.max_responses)
+            evictions["bytes"] = holdings.evict_over("bytes", self.limits.max_bytes)
         self._publish(evictions)
         return True
 
@@ -213,34 +228,6 @@ class SqliteResponseStore:
         cutoff = self._expiry_cutoff()
         return self._db.execute("DELETE FROM responses WHERE stored_at <= ?", (cutoff,)).rowcount
 
-    def _evict_over_count(self) -> int:
-        (num_responses,) = self._db.execute("SELECT COUNT(*) FROM responses").fetchone()
-        num_over = num_responses - self.limits.max_responses
-        if num_over <= 0:
-            return 0
-        self._db.execute(
-            "DELETE FROM responses WHERE seq IN (SELECT seq FROM responses ORDER BY seq LIMIT ?)",
-            (num_over,),
-        )
-        return num_over
-
-    def _evict_over_bytes(self) -> int:
-        (num_bytes,) = self._db.execute(
-            "SELECT COALESCE(SUM(num_bytes), 0) FROM responses"
-        ).fetchone()
-        if num_bytes <= self.limits.max_bytes:
-            return 0
-        oldest = self._db.execute("SELECT seq, num_bytes FROM responses ORDER BY seq")
-        num_evicted, last_seq = 0, None
-        for seq, size in oldest:  # the newest alone fits (put() checked), so this stops
-            if num_bytes <= self.limits.max_bytes:
-                break
-            num_bytes -= size
-            num_evicted, last_seq = num_evicted + 1, seq
-        oldest.close()
-        self._db.execute("DELETE FROM responses WHERE seq <= ?", (last_seq,))
-        return num_evicted
-
     def _publish(self, evictions: dict[str, int]) -> None:
         if self.observer is None:
             return
@@ -248,3 +235,77 @@ class SqliteResponseStore:
             "SELECT COUNT(*), COALESCE(SUM(num_bytes), 0) FROM responses"
         ).fetchone()
         self.observer.observe_response_store(num_responses, num_bytes, evictions)
+
+
+@dataclass
+class _Holding:
+    """What one tenant holds (all its scopes): how much, and its oldest response's seq."""
+
+    num_responses: int
+    num_bytes: int
+    oldest_seq: int
+
+
+class _Holdings:
+    """The tenants' holdings while one put makes room, on the store's thread, in its transaction.
+
+    A tenant's share of a bound (count or bytes) is the bound divided by the number of tenants
+    holding responses. While the store is over the bound, one response goes: the putting
+    tenant's oldest if it is over its share and holds more than the new response; else the
+    oldest of the other tenant holding the most (the furthest over its share), the older on a
+    tie. The new response is never evicted. With one tenant this is the oldest first.
+    """
+
+    def __init__(self, db: sqlite3.Connection, putter: str | None, new_seq: int) -> None:
+        self._db, self._putter, self._new_seq = db, putter, new_seq
+        self._by_tenant: dict[str | None, _Holding] = {}
+        rows = db.execute(  # by scope, then by tenant here: one tenant_of() call per scope
+            "SELECT scope, COUNT(*), SUM(num_bytes), MIN(seq) FROM responses GROUP BY scope"
+        )
+        for scope, num_responses, num_bytes, oldest_seq in rows:
+            holding = self._by_tenant.setdefault(tenant_of(scope), _Holding(0, 0, oldest_seq))
+            holding.num_responses += num_responses
+            holding.num_bytes += num_bytes
+            holding.oldest_seq = min(holding.oldest_seq, oldest_seq)
+
+    def evict_over(self, reason: str, bound: int) -> int:
+        """Evict until the responses (reason "count") or their bytes ("bytes") are within
+        `bound`; how many were evicted."""
+        num_evicted = 0
+        while sum(self._amount(h, reason) for h in self._by_tenant.values()) > bound:
+            self._evict_oldest(self._victim(reason, bound))
+            num_evicted += 1
+        return num_evicted
+
+    @staticmethod
+    def _amount(holding: _Holding, reason: str) -> int:
+        return holding.num_responses if reason == "count" else holding.num_bytes
+
+    def _victim(self, reason: str, bound: int) -> str | None:
+        putter = self._by_tenant[self._putter]
+        is_over_share = self._amount(putter, reason) * len(self._by_tenant) > bound
+        if is_over_share and putter.num_responses > 1:  # it holds more than the new one
+            return self._putter
+        # Others hold something: the sum is over the bound, and the putter is within its share
+        # (so another is over its own) or holds only the new response, which fits alone.
+        others = [tenant for tenant in self._by_tenant if tenant != self._putter]
+        by_tenant = self._by_tenant
+        return max(
+            others, key=lambda t: (self._amount(by_tenant[t], reason), -by_tenant[t].oldest_seq)
+        )
+
+    def _evict_oldest(self, tenant: str | None) -> None:
+        holding = self._by_tenant[tenant]
+        oldest = self._db.execute(
+            "SELECT seq, num_bytes FROM responses WHERE seq >= ? AND seq != ?"
+            " AND tenant_of(scope) IS ? ORDER BY seq LIMIT 2",
+            (holding.oldest_seq, self._new_seq, tenant),
+        ).fetchall()
+        seq, num_bytes = oldest[0]
+        self._db.execute("DELETE FROM responses WHERE seq = ?", (seq,))
+        holding.num_responses -= 1
+        holding.num_bytes -= num_bytes
+        if holding.num_responses == 0:
+            del self._by_tenant[tenant]
+        else:  # the next evictable one (the putter's new response only when it is all it holds)
+            holding.oldest_seq = oldest[1][0] if len(oldest) > 1 else self._new_seq

@@ -51,8 +51,10 @@ access_logger = logging.getLogger("kvshare.access")
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _GENERATION_PREFIX = "/v1/"
-# Routes that need an API key, when keys are set (also app/openapi.py's KEYED_PREFIXES).
+# Routes that need an API key, when keys are set (also app/openapi.py's KEYED_PREFIXES),
+# but the operator's: those need an operator key (docs/security.md).
 _KEYED_PREFIXES = (_GENERATION_PREFIX, "/debug/", "/tokenize", "/detokenize")
+OPERATOR_PATHS = ("/metrics", "/debug/faults", "/debug/kv_blocks")
 
 
 def create_app(engine_client: EngineClient, settings: Settings) -> FastAPI:
@@ -90,6 +92,8 @@ def _middleware(state: ServerState) -> list[Middleware]:
         )
     if server.api_keys:
         stack.append(Middleware(ApiKeyMiddleware, api_keys=server.api_keys))
+    if server.api_keys or server.operator_keys:
+        stack.append(Middleware(OperatorKeyMiddleware, operator_keys=server.operator_keys))
     stack.append(Middleware(BodyLimitMiddleware, max_body_bytes=server.max_body_bytes))
     return stack
 
@@ -149,6 +153,8 @@ class RequestContextMiddleware:
             await self.app(scope, receive, send_with_id)
         finally:
             self.state.num_in_flight -= counted
+            if record.ticket is not None:  # admitted, but its run() may never have started
+                record.ticket.leave(record.completion_tokens)
             self._log(scope, status, record, time.monotonic() - start)
 
     def _log(self, scope: Scope, status: int, record: RequestRecord, duration_s: float) -> None:
@@ -180,23 +186,12 @@ class ApiKeyMiddleware:
         self.app = app
         self.api_keys = [key.encode() for key in api_keys]
 
-    def _matching_key(self, scope: Scope) -> bytes | None:
-        header = _header(scope, b"authorization") or ""
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer":
-            token = _header(scope, b"x-api-key") or ""
-        given = token.strip().encode()
-        # Compare with every key, always: the time taken says nothing about which one matched.
-        matches = [hmac.compare_digest(given, key) for key in self.api_keys]
-        if not given or not any(matches):
-            return None
-        return self.api_keys[matches.index(True)]
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(_KEYED_PREFIXES):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if not path.startswith(_KEYED_PREFIXES) or path in OPERATOR_PATHS:
             await self.app(scope, receive, send)
             return
-        key = self._matching_key(scope)
+        key = _matching_key(scope, self.api_keys)
         record = scope.get("state", {}).get("record")
         if key is not None and record is not None:
             # One tenant per key: its prefix-cache namespace never shares blocks with another's.
@@ -211,6 +206,48 @@ class ApiKeyMiddleware:
             await error_response(error, scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class OperatorKeyMiddleware:
+    """The operator's routes (OPERATOR_PATHS): with operator_keys set, 401 without one of
+    them; without, on a server with tenants (api_keys), /debug/faults and /debug/kv_blocks
+    answer 403 (no tenant may drill the cache or read every tenant's block hashes) and
+    /metrics shows its tenant view (app/routes/metrics.py)."""
+
+    def __init__(self, app: ASGIApp, operator_keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.operator_keys = [key.encode() for key in operator_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"] if scope["type"] == "http" else ""
+        if path not in OPERATOR_PATHS:
+            await self.app(scope, receive, send)
+            return
+        error = None
+        if self.operator_keys and _matching_key(scope, self.operator_keys) is None:
+            message = "This route needs an operator key (operator_keys) as a bearer token."
+            error = APIError(401, message, code="invalid_operator_key")
+        elif not self.operator_keys and path != "/metrics":
+            message = "This route is the operator's: set operator_keys to use it."
+            error = APIError(403, message, code="operator_only")
+        if error is not None:
+            await error_response(error, path)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _matching_key(scope: Scope, keys: list[bytes]) -> bytes | None:
+    """The key of `keys` the request sends as `Authorization: Bearer <key>` or `x-api-key`."""
+    header = _header(scope, b"authorization") or ""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        token = _header(scope, b"x-api-key") or ""
+    given = token.strip().encode()
+    # Compare with every key, always: the time taken says nothing about which one matched.
+    matches = [hmac.compare_digest(given, key) for key in keys]
+    if not given or not any(matches):
+        return None
+    return keys[matches.index(True)]
 
 
 class BodyLimitMiddleware:

@@ -13,8 +13,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ from app.responses_chain import chained_prompt
 from app.settings import ServerSettings
 from app.streaming import merge
 from app.template_check import check_chat_template
-from app.tenant_load import TenantGate, TenantLoads
+from app.tenant_load import TenantGate, TenantLoads, TenantTicket
 from app.tool_calls import ToolCallMode, ToolCallParser
 from engine.core.errors import KVShareError
 from engine.core.protocol import (
@@ -78,6 +78,9 @@ class RequestRecord:
     prompt: str | None = None  # kept only with log_prompts
     tenant: str | None = None  # set from the API key when keys are configured
     cache_diagnosis: CacheDiagnosis | None = None  # the first prompt's, from the engine
+    # Its place in its tenant's load, from admission (check_tenant_limits) to its end; the
+    # HTTP request's end releases it too (app/server.py), should run() never start.
+    ticket: TenantTicket | None = field(default=None, repr=False)
 
     def usage(self) -> Usage:
         return Usage.of(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
@@ -92,6 +95,12 @@ def cache_namespace_salt(tenant: str | None, cache_salt: str | None) -> str | No
     if tenant is None:
         return cache_salt
     return json.dumps([tenant, cache_salt])
+
+
+def diagnostics_scope(tenant: str | None, cache_salt: str | None) -> str | None:
+    """Whose recent prompts a request's cache diagnostics see: its cache namespace (tenant
+    and cache_salt), so one salt's prompts are never compared with, nor shown to, another's."""
+    return cache_namespace_salt(tenant, cache_salt)
 
 
 def scheduling_tenant(tenant: str | None, user: str | None, from_user: bool) -> str | None:
@@ -139,6 +148,8 @@ class Prepared:
     keep_stop: bool = False  # no_stop_trim: the matched stop stays in the text
     arrival: float = field(default_factory=time.monotonic)
     diagnostics: DiagnosticsContext | None = None  # asked for cache_diagnostics
+    # (scope, response id, prompt): remembered for later diagnostics once admitted
+    recent: tuple[str | None, str, RecentPrompt] | None = None
 
     @classmethod
     def of(
@@ -277,6 +288,7 @@ class OpenAIServing:
         response_id, engine_requests = self._engine_requests(
             "chatcmpl", [prompt_token_ids], request, record, prompt_param="messages"
         )
+        self._check_logprob_size(engine_requests, "top_logprobs" if request.logprobs else None)
         formatter = ChatFormatter(
             **self._formatter_fields(response_id, bool(request.logprobs)),
             tool_calls=ToolCallMode.of(tool_mode),
@@ -286,8 +298,8 @@ class OpenAIServing:
             segments = chat_segments(self.model.tokenizer, messages, tools)
             prepared.diagnostics = self._diagnostics(request, record, prompt_token_ids, segments)
             prepared.diagnostics.template_rewrites_history = self.template_rewrites_at is not None
-        recent = RecentPrompt(prompt_token_ids, messages, tools)
-        self.recent_prompts.remember(record.tenant, response_id, recent)
+        scope = diagnostics_scope(record.tenant, request.cache_salt)
+        prepared.recent = (scope, response_id, RecentPrompt(prompt_token_ids, messages, tools))
         return prepared
 
     def chat_prompt(
@@ -327,6 +339,7 @@ class OpenAIServing:
         response_id, engine_requests = self._engine_requests(
             "cmpl", prompts, request, record, prompt_param="prompt"
         )
+        self._check_logprob_size(engine_requests, "logprobs")
         with_tokens = bool(request.echo) and request.logprobs is not None  # prompt logprobs
         echoes = [echoed_prompt(self.model.tokenizer, ids, with_tokens) for ids in prompts]
         if self.settings.log_prompts:
@@ -340,8 +353,24 @@ class OpenAIServing:
         if wants_diagnostics(request.cache_diagnostics, self.settings.cache_diagnostics):
             segments = [Segment(0, "prompt")]
             prepared.diagnostics = self._diagnostics(request, record, prompts[0], segments)
-        self.recent_prompts.remember(record.tenant, response_id, RecentPrompt(prompts[0]))
+        scope = diagnostics_scope(record.tenant, request.cache_salt)
+        prepared.recent = (scope, response_id, RecentPrompt(prompts[0]))
         return prepared
+
+    def _check_logprob_size(self, engine_requests: list[EngineRequest], param: str | None) -> None:
+        """A 400 naming `param` when the response's token logprobs would pass the cap."""
+        num_entries = 0
+        for engine_request in engine_requests:
+            params = engine_request.sampling_params
+            if params.logprobs is None and params.prompt_logprobs is None:
+                continue
+            num_tokens = params.max_tokens + (
+                len(engine_request.prompt_token_ids) if params.prompt_logprobs is not None else 0
+            )
+            top = max(params.logprobs or 0, params.prompt_logprobs or 0)
+            num_entries += params.n * num_tokens * (top + 1)
+        if param is not None:
+            self.limits.check_logprob_entries(num_entries, param)
 
     def _diagnostics(
         self,
@@ -351,7 +380,8 @@ class OpenAIServing:
         segments: list[Segment],
     ) -> DiagnosticsContext:
         option = request.cache_diagnostics
-        return make_context(option, self.recent_prompts, record.tenant, prompt_token_ids, segments)
+        scope = diagnostics_scope(record.tenant, request.cache_salt)
+        return make_context(option, self.recent_prompts, scope, prompt_token_ids, segments)
 
     def diagnostics_json(self, prepared: Prepared, record: RequestRecord) -> dict | None:
         """The cache_diagnostics object of a finished request (None if not asked for)."""
@@ -461,11 +491,34 @@ class OpenAIServing:
             raise APIError(400, message, param=param, code="context_length_exceeded")
         return requested
 
-    def check_tenant_limits(self, prepared: Prepared) -> None:
-        """A 429 (TenantLimitExceeded) when the request's tenant is over a per-tenant limit;
-        call it before answering (a stream cannot turn into a 429 once started)."""
+    def check_tenant_limits(self, prepared: Prepared, record: RequestRecord) -> None:
+        """Admit the request into its tenant's load, or a 429 (TenantLimitExceeded) when the
+        tenant is over a per-tenant limit: checked and counted at once, so a burst cannot pass
+        the limits before any of it runs. Call it before answering (a stream cannot turn into a
+        429 once started); the diagnostics remember the prompt only from here."""
         num_prompt_tokens = sum(len(r.prompt_token_ids) for r in prepared.engine_requests)
-        self.tenants.check(prepared.engine_requests[0].tenant, num_prompt_tokens)
+        tenant = prepared.engine_requests[0].tenant
+        self.tenants.check(tenant, num_prompt_tokens)
+        record.ticket = self.tenants.arrive(tenant, num_prompt_tokens, prepared.arrival)
+        if prepared.recent is not None:
+            self.recent_prompts.remember(*prepared.recent)
+
+    def check_tenant_before_prepare(self, record: RequestRecord, user: str | None) -> None:
+        """The limits a request can be refused by before its body is templated: its tenant's
+        running and waiting requests (its prompt tokens are not known yet)."""
+        tenant = scheduling_tenant(record.tenant, user, self.settings.tenant_from_user)
+        self.tenants.check(tenant, 0)
+
+    @contextmanager
+    def tenant_slot(self, record: RequestRecord) -> Iterator[None]:
+        """A token route's place in its tenant's load while it works (a 429 over a limit):
+        counting tokens costs a templating of the whole body, as generating does."""
+        self.tenants.check(record.tenant, 0)
+        ticket = self.tenants.arrive(record.tenant, 0, time.monotonic())
+        try:
+            yield
+        finally:
+            ticket.leave(0)
 
     # -- engine outputs -> deltas ---------------------------------------------------------------
 
@@ -478,7 +531,9 @@ class OpenAIServing:
         """
         record.prompt_tokens = sum(len(r.prompt_token_ids) for r in prepared.engine_requests)
         tenant = prepared.engine_requests[0].tenant
-        ticket = self.tenants.arrive(tenant, record.prompt_tokens, prepared.arrival)
+        ticket = record.ticket or self.tenants.arrive(
+            tenant, record.prompt_tokens, prepared.arrival
+        )
         streams, base = [], 0
         for engine_request in prepared.engine_requests:
             streams.append(self._drive(prepared, engine_request, base, record))

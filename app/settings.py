@@ -39,6 +39,7 @@ class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_keys: tuple[str, ...] = ()
+    operator_keys: tuple[str, ...] = ()  # /metrics and /debug/{faults,kv_blocks} (security.md)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     max_waiting_requests: int = Field(default=256, ge=1)
     # Fair share (docs/fair-scheduling.md): without api_keys, the `user` field as the tenant.
@@ -68,6 +69,8 @@ class ServerSettings(BaseModel):
     max_stop_strings: int = Field(default=16, ge=0)
     max_stop_string_chars: int = Field(default=512, ge=1)
     max_logit_bias_entries: int = Field(default=300, ge=0)
+    max_stop_token_ids: int = Field(default=64, ge=0)
+    max_logprob_entries: int = Field(default=1 << 20, ge=1)
     max_top_logprobs: int = Field(default=20, ge=0, le=20)
     max_tools: int = Field(default=128, ge=1)
     # Stored responses (app/response_store.py): the SQLite file and its bounds.
@@ -105,7 +108,7 @@ class Settings(BaseModel):
 
 SERVER_KEYS = tuple(ServerSettings.model_fields)
 ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig))
-_LIST_KEYS = frozenset({"api_keys", "cors_allow_origins"})
+_LIST_KEYS = frozenset({"api_keys", "operator_keys", "cors_allow_origins"})
 # Switches: `--enable-fault-injection` alone means true (a value is still accepted).
 _BOOL_KEYS = frozenset(
     [key for key, info in ServerSettings.model_fields.items() if info.annotation is bool]

@@ -1,12 +1,14 @@
 """Per-tenant limits at the HTTP edge: each tenant's requests in flight, and the 429s when
 one is over a limit (docs/fair-scheduling.md). Event loop only.
 
-A request is waiting from its arrival until its first output from the engine, then running
-until it ends. The limits (off by default) are checked on arrival against what is in flight:
-running requests at max_running_requests_per_tenant, waiting requests at
-max_waiting_requests_per_tenant, or waiting prompt tokens that this request would take over
-max_waiting_prompt_tokens_per_tenant each refuse it with a 429 and Retry-After. The global
-max_waiting_requests (app/routes/deps.py) applies as well.
+A request is waiting from its admission until its first output from the engine, then running
+until it ends. The limits (off by default) are checked at admission against what is in
+flight, and the request is counted at once (so a burst cannot pass them before any of it
+runs): requests in flight (waiting or running: the engine runs every admitted request) at
+max_running_requests_per_tenant, waiting requests at max_waiting_requests_per_tenant, or
+waiting prompt tokens that this request would take over max_waiting_prompt_tokens_per_tenant
+each refuse it with a 429 and Retry-After. The global max_waiting_requests
+(app/routes/deps.py) applies as well.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ class TenantLoads:
     def check(self, tenant: str | None, num_prompt_tokens: int) -> None:
         """TenantLimitExceeded when a new request of num_prompt_tokens is over a limit."""
         load = self.loads.get(tenant, TenantLoad())
-        if self.max_running is not None and load.num_running >= self.max_running:
-            message = f"This tenant already runs {load.num_running} requests (the limit)."
+        num_in_flight = load.num_running + load.num_waiting  # every admitted one will run
+        if self.max_running is not None and num_in_flight >= self.max_running:
+            message = f"This tenant already has {num_in_flight} requests in flight (the limit)."
             raise TenantLimitExceeded("running", message)
         if self.max_waiting is not None and load.num_waiting >= self.max_waiting:
             message = f"This tenant already has {load.num_waiting} requests waiting (the limit)."

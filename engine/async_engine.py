@@ -174,7 +174,8 @@ class AsyncEngine:
         if self._engine is None:
             raise EngineNotReady("the model is not loaded yet")
         cache = self._engine.grammar_cache
-        return await asyncio.to_thread(cache.compile_for, request.sampling_params)
+        params, namespace = request.sampling_params, request.cache_salt
+        return await asyncio.to_thread(cache.compile_for, params, namespace)
 
     async def abort(self, request_id: str, choice_index: int | None = None) -> None:
         self._commands.put(_Abort(request_id, choice_index))

@@ -164,7 +164,7 @@ class LLMEngine:
             validate_request(request, self.model_info)
         structured = request.sampling_params.structured
         if structured is not None and grammar is None:
-            grammar = self.grammar_cache.compile_for(request.sampling_params)
+            grammar = self.grammar_cache.compile_for(request.sampling_params, request.cache_salt)
         self.scheduler.add_request(request)
         if structured is not None:
             # Release finished requests first: this id may be a finished one's, not yet dropped.
@@ -284,7 +284,10 @@ class LLMEngine:
         ]
         for request in requests:  # all of them first: a bad prompt queues nothing
             validate_request(request, self.model_info)
-        grammars = [self.grammar_cache.compile_for(request.sampling_params) for request in requests]
+        grammars = [
+            self.grammar_cache.compile_for(request.sampling_params, request.cache_salt)
+            for request in requests
+        ]
         results = {}
         for request, prompt, param, grammar in zip(
             requests, prompts, params, grammars, strict=True

@@ -18,5 +18,6 @@ router = APIRouter()
 async def create_completion(
     body: CompletionRequest, request: Request, serving: AdmittedServing, record: Record
 ) -> Response:
+    serving.check_tenant_before_prepare(record, body.user)  # a 429 costs no templating
     prepared = await serving.prepare(body, record)  # in a worker thread
     return await respond_to(request, serving, prepared, record, stream=bool(body.stream))

@@ -18,17 +18,20 @@ ever about the caller's own tenant. 404 when server.cache_history_size is 0.
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import Annotated, Literal
 
 import anyio
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.cache_diagnostics import RecentPrompt
 from app.cache_report import build_report
 from app.errors import APIError
 from app.routes.deps import ReadyServing, Record, State
+from app.serving import diagnostics_scope
 from engine.core.errors import FaultInjectionDisabled
 from engine.core.protocol import FAULT_KINDS
+from engine.tokenizer import Tokenizer
 
 router = APIRouter()
 logger = logging.getLogger(__name__)
@@ -91,11 +94,20 @@ def require_cache_history(state: State) -> None:
 
 
 @router.get("/debug/cache_report", dependencies=[Depends(require_cache_history)])
-async def cache_report(serving: ReadyServing, record: Record) -> dict:
-    """Where the caller's (tenant's) recent prompts diverge; see app/cache_report.py."""
-    prompts = serving.recent_prompts.prompts_of(record.tenant)
-    tokenizer = serving.model.tokenizer
-    segments = prompts[-1].segments(tokenizer) if prompts else []
+async def cache_report(
+    serving: ReadyServing,
+    record: Record,
+    cache_salt: Annotated[str | None, Query(description="The cache_salt of the prompts.")] = None,
+) -> dict:
+    """Where the caller's recent prompts (its tenant's, of this cache_salt) diverge; see
+    app/cache_report.py. Rendering the segments and comparing run in a worker thread."""
+    prompts = serving.recent_prompts.prompts_of(diagnostics_scope(record.tenant, cache_salt))
     block_size = serving.engine.stats().block_size
+    return await anyio.to_thread.run_sync(report_of, prompts, serving.model.tokenizer, block_size)
+
+
+def report_of(prompts: list[RecentPrompt], tokenizer: Tokenizer, block_size: int) -> dict:
+    """build_report() of `prompts`, the last one's segments rendered first (blocking)."""
+    segments = prompts[-1].segments(tokenizer) if prompts else []
     ids = [prompt.token_ids for prompt in prompts]
-    return await anyio.to_thread.run_sync(build_report, ids, segments, tokenizer, block_size)
+    return build_report(ids, segments, tokenizer, block_size)

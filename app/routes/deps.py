@@ -170,7 +170,7 @@ async def respond_to(
 ) -> Response:
     """Answer a prepared generation request as SSE or as one JSON body (app/streaming.py);
     a 429 first when its tenant is over a per-tenant limit."""
-    serving.check_tenant_limits(prepared)
+    serving.check_tenant_limits(prepared, record)
     return await respond(
         request,
         stream,

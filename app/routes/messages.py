@@ -32,7 +32,7 @@ from app.cache_diagnostics import wants_diagnostics
 from app.errors import APIError, param_path
 from app.request_models import CacheDiagnosticsOptions, ChatCompletionRequest
 from app.routes.deps import AdmittedServing, ReadyServing, Record, get_state
-from app.serving import OpenAIServing, Prepared, RequestRecord
+from app.serving import OpenAIServing, Prepared, RequestRecord, diagnostics_scope
 from app.streaming import CLIENT_CLOSED_REQUEST, ClientDisconnected, cancel_on_disconnect
 from engine.core.errors import ParamError
 
@@ -98,12 +98,14 @@ async def create_message(
     beta: Beta = None,
 ) -> Response:
     settings = serving.settings
+    user = body.metadata.user_id if body.metadata else None
+    serving.check_tenant_before_prepare(record, user)  # a 429 costs no templating
     asked = diagnostics_asked(serving, body, record)
     with named_as_messages():
         strip = settings.strip_volatile_system_lines
         chat_request = body.to_chat_request(strip, serving.limits.max_output_tokens)
         prepared = await serving.prepare(chat_request, record)
-        serving.check_tenant_limits(prepared)
+        serving.check_tenant_limits(prepared, record)
     if not strip and body.has_volatile_system_line():
         await anyio.to_thread.run_sync(mark_volatile_prefix, serving, chat_request, prepared)
     message_id = message_id_of(prepared)
@@ -127,7 +129,8 @@ def diagnostics_asked(
     previous = body.diagnostics.previous_message_id if body.diagnostics else None
     if previous is not None and not isinstance(body.cache_diagnostics, CacheDiagnosticsOptions):
         try:
-            serving.recent_prompts.lookup(record.tenant, chat_id_of(previous))
+            scope = diagnostics_scope(record.tenant, body.cache_salt)
+            serving.recent_prompts.lookup(scope, chat_id_of(previous))
             body.compare_with(chat_id_of(previous))
         except APIError:
             previous_missing = True
@@ -160,9 +163,9 @@ class CountTokensRequest(MessagesConversation):
 
 @router.post("/v1/messages/count_tokens")
 async def count_message_tokens(
-    body: CountTokensRequest, serving: ReadyServing, beta: Beta = None
+    body: CountTokensRequest, serving: ReadyServing, record: Record, beta: Beta = None
 ) -> dict[str, Any]:
-    with named_as_messages():
+    with named_as_messages(), serving.tenant_slot(record):
         return await anyio.to_thread.run_sync(count_tokens, serving, body)
 
 

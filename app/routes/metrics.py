@@ -10,5 +10,9 @@ router = APIRouter()
 
 @router.get("/metrics", response_class=Response)
 async def metrics(state: State) -> Response:
+    """Everything for the operator (and the single user); on a server with tenants but no
+    operator keys, anyone may scrape, so the tenant view (ServerMetrics.render)."""
+    server = state.settings.server
+    tenant_view = bool(server.api_keys) and not server.operator_keys
     # The engine pushed its figures already (ServerMetrics.observe_engine): nothing to fetch.
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    return Response(state.metrics.render(tenant_view), media_type=CONTENT_TYPE)

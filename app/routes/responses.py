@@ -26,6 +26,7 @@ from app.responses_serving import (
 from app.responses_stream import FinishResponse, ResponseStream, response_stream
 from app.routes.deps import AdmittedServing, Record, ResponsesStore, get_state
 from app.serving import Prepared, RequestRecord
+from app.streaming import CLIENT_CLOSED_REQUEST, ClientDisconnected, cancel_on_disconnect
 from engine.core.errors import ParamError
 
 router = APIRouter()
@@ -66,17 +67,21 @@ async def create_response(
     store: ResponsesStore,
     record: Record,
 ) -> Response:
+    serving.check_tenant_before_prepare(record, body.user)  # a 429 costs no templating
     previous = await store.previous(body, record)
     with named_as_responses():
         chat_request = body.to_chat_request(chain_items(previous))
         prepared = await serving.prepare(chat_request, record, chain_prefix(previous))
-        serving.check_tenant_limits(prepared)
+        serving.check_tenant_limits(prepared, record)
         if body.stream:
             finish = _stored_finish(store, body, record, previous, prepared)
             stream = ResponseStream(serving, prepared, record, body, finish)
             keepalive_seconds = serving.settings.keepalive_seconds
             return response_stream(stream, keepalive_seconds, get_state(request).is_grace_over)
-        turn = await run_turn(serving, prepared, record)
+        try:  # a client that leaves aborts the turn in the engine; nothing is stored
+            turn = await cancel_on_disconnect(request.receive, run_turn(serving, prepared, record))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
     return JSONResponse(await store.finish(body, record, previous, turn))
 
 

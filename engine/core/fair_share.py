@@ -7,6 +7,10 @@ backlogged tenant with the least counter first. A tenant that becomes active (no
 request before this one) has its counter lifted to the least of the active tenants', so it
 cannot bank credit while idle. Within a tenant: priority (lower first), then arrival order.
 
+Preemption (preemption_victim): a tenant's fair share of the KV pool is an even split among
+the tenants running. The victim is a sequence of the largest tenant over its share, else of the
+tenant short of blocks; priority then picks among that tenant's own sequences.
+
 The prefill cap (PrefillCap): while two or more tenants are active (ActiveTenants: a live
 request, or the last one ended less than a window ago), the least-served active tenant
 prefills under the step's budget and everyone else's prefill tokens in the step share a small
@@ -45,14 +49,58 @@ def by_priority(waiting: Iterable[Sequence]) -> list[Sequence]:
     return sorted(waiting, key=lambda seq: seq.priority)
 
 
-def preemption_victim(running: list[Sequence], scheduled_ids: set[int]) -> Sequence:
-    """The running sequence to preempt: not scheduled this step, the highest priority value
-    (the lowest priority), the newest (last in `running`) among equals."""
+def preemption_victim(
+    running: list[Sequence],
+    scheduled_ids: set[int],
+    requester: Sequence | None = None,
+    num_total_blocks: int = 0,
+) -> Sequence:
+    """The running sequence to preempt, among those not scheduled this step: the highest
+    priority value (the lowest priority), the newest (last in `running`) among equals.
+
+    Fair share (given the `requester`, the sequence short of blocks): only one tenant's
+    candidates compete, so priority never compares two tenants. Of the tenants over their
+    share of the pool (tenants_over_share) with a candidate, the one holding the most blocks
+    (ties: the newest candidate's); with none, the requester's own. A tenant within its share
+    never loses a sequence to another tenant.
+    """
     candidates = [
-        (seq.priority, index) for index, seq in enumerate(running)
-        if seq.seq_id not in scheduled_ids
-    ]  # fmt: skip
-    return running[max(candidates)[1]]
+        (index, seq) for index, seq in enumerate(running) if seq.seq_id not in scheduled_ids
+    ]
+    if requester is not None:
+        tenant = _tenant_to_preempt(running, candidates, requester.tenant, num_total_blocks)
+        candidates = [(index, seq) for index, seq in candidates if seq.tenant == tenant]
+    _, index = max((seq.priority, index) for index, seq in candidates)
+    return running[index]
+
+
+def blocks_by_tenant(running: Iterable[Sequence]) -> dict[str, int]:
+    """KV blocks each tenant's running sequences hold, a block they share counted once."""
+    block_ids: dict[str, set[int]] = {}
+    for seq in running:
+        block_ids.setdefault(seq.tenant, set()).update(seq.block_ids)
+    return {tenant: len(ids) for tenant, ids in block_ids.items()}
+
+
+def tenants_over_share(num_blocks: dict[str, int], num_total_blocks: int) -> set[str]:
+    """Tenants holding more than their fair share: the pool split evenly among the tenants
+    in `num_blocks` (those running). One tenant alone is never over it."""
+    num_tenants = len(num_blocks)
+    return {tenant for tenant, n in num_blocks.items() if n * num_tenants > num_total_blocks}
+
+
+def _tenant_to_preempt(
+    running: list[Sequence],
+    candidates: list[tuple[int, Sequence]],
+    requester_tenant: str,
+    num_total_blocks: int,
+) -> str:
+    num_blocks = blocks_by_tenant(running)
+    over = tenants_over_share(num_blocks, num_total_blocks)
+    newest = {seq.tenant: index for index, seq in candidates if seq.tenant in over}
+    if not newest:
+        return requester_tenant
+    return max(newest, key=lambda tenant: (num_blocks[tenant], newest[tenant]))
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Each step: decodes first (one token per decoding sequence, preempting the lowest-priority
 running sequence, the newest among equals, by recompute when blocks run out, after cached
-blocks were evicted), then prefill
+blocks were evicted; under fair share, one of the largest tenant over its share of the pool,
+else of the tenant short of blocks: fair_share.preemption_victim), then prefill
 chunks of running sequences, then admission of waiting sequences, all under a token budget
 and a sequence cap. The scheduler reaches KV memory only through KVCacheManager.
 
@@ -25,7 +26,14 @@ from typing import Any
 
 from engine.core.admission import AdmissionPolicy
 from engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
-from engine.core.fair_share import FairShare, FairShareWeights, PrefillCap, preemption_victim
+from engine.core.fair_share import (
+    FairShare,
+    FairShareWeights,
+    PrefillCap,
+    blocks_by_tenant,
+    preemption_victim,
+    tenants_over_share,
+)
 from engine.core.protocol import (
     CompletionOutput,
     EngineRequest,
@@ -323,7 +331,7 @@ class Scheduler:
             s for s in self.table.running if s.is_decoding and only_tenant in (None, s.tenant)
         ]
         may_draft = self.spec.drafts_among(len(decoding))
-        for seq in decoding:
+        for seq in self._order_decodes(decoding, may_draft):
             if step.budget == 0:
                 break
             if not seq.is_decoding:
@@ -340,6 +348,20 @@ class Scheduler:
             draft = self.spec.allocate(seq, draft, step.budget)
             if draft or self._reserve_slots(step, seq, 1):
                 step.add_chunk(seq, 1 + len(draft), draft)
+
+    def _order_decodes(self, decoding: list[Sequence], may_draft: bool) -> list[Sequence]:
+        """Fair share, when a decode may have to preempt: the decodes of tenants over their
+        share of the KV pool go last, so a tenant within its share takes its slot while
+        theirs can still be preempted. A plain decode takes one block at most."""
+        if not self.is_fair_share:
+            return decoding
+        if not may_draft and self.kv_cache_manager.num_free_blocks >= len(decoding):
+            return decoding
+        if len({seq.tenant for seq in decoding}) < 2:
+            return decoding
+        num_blocks = blocks_by_tenant(self.table.running)
+        over = tenants_over_share(num_blocks, self.kv_cache_manager.num_total_blocks)
+        return sorted(decoding, key=lambda seq: seq.tenant in over)  # stable
 
     def _schedule_running_prefills(self, step: StepBuilder) -> None:
         running = self.table.running
@@ -457,19 +479,28 @@ class Scheduler:
             self._cache_hits.append(hit)
 
     def _reserve_slots(self, step: StepBuilder, seq: Sequence, num_tokens: int) -> bool:
-        """allocate_slots, preempting an unscheduled running seq until it fits: the one
-        with the highest priority value (the lowest priority), the newest among equals.
+        """allocate_slots, preempting an unscheduled running seq until it fits (see
+        _preemption_victim).
 
         False when seq itself was the one preempted.
         """
         while not self.kv_cache_manager.allocate_slots(seq, num_tokens):
-            victim = preemption_victim(self.table.running, step.scheduled_ids)
+            victim = self._preemption_victim(step, seq)
             self.table.preempt(victim)
             self.counters.num_preemptions += 1
             step.num_preempted += 1
             if victim is seq:
                 return False
         return True
+
+    def _preemption_victim(self, step: StepBuilder, seq: Sequence) -> Sequence:
+        """Who gives seq its blocks: the highest priority value, the newest among equals;
+        under fair share, of one tenant only (fair_share.preemption_victim)."""
+        running, scheduled_ids = self.table.running, step.scheduled_ids
+        if not self.is_fair_share:
+            return preemption_victim(running, scheduled_ids)
+        num_total_blocks = self.kv_cache_manager.num_total_blocks
+        return preemption_victim(running, scheduled_ids, seq, num_total_blocks)
 
     def _fail_write_violations(self, step: StepBuilder) -> None:
         """Fail the request of each sequence whose slot mapping broke read-only sharing and

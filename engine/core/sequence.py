@@ -77,7 +77,8 @@ class Sequence:
     num_volatile_prefix_tokens: int = 0  # EngineRequest's: a miss inside them is volatile
     arrival_step: int = 0  # the scheduler step it arrived at, for the waiting-age bound
     # Fair share (engine/core/fair_share.py): whose service this is, and its priority
-    # within the tenant (lower first; the lowest-priority running sequence is preempted first).
+    # within the tenant (lower first; of a tenant's running sequences, the lowest-priority one
+    # is preempted first, and another tenant's only while that one is over its fair share).
     tenant: str = ""
     priority: int = 0
     # sampling_params.prompt_logprobs: the logprobs of prompt tokens 1, 2, ... scored so far

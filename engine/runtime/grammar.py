@@ -9,7 +9,9 @@ Two owners, two threads:
   compile_for() from a worker thread before it queues a request, so the engine thread never
   compiles; LLMEngine.add_request (the offline edge) calls it synchronously. Identical
   constraints share one compile (the cache holds futures, in flight or done) and a cache
-  hit costs a dict look-up.
+  hit costs a dict look-up. Entries are kept per cache namespace (the request's cache_salt:
+  tenant and salt), so one tenant's compile is never another's hit: neither the time a hit
+  saves nor the hit counter tells a tenant whether anyone else used a schema.
 - GrammarMatchers (engine thread only): request id -> its compiled grammar and one
   GrammarMatcher per choice, keyed (request_id, choice_index) as SampleSpec.grammar_keys
   names them. A matcher is never reset or replayed: it remembers how many output tokens it
@@ -50,6 +52,7 @@ _COMPILE_WORKERS = 2  # compiles at once; more wait in the pool's queue (their t
 _ANY_JSON_OBJECT = '{"type":"object"}'
 
 GrammarKey = tuple[str, int]  # (request_id, choice_index)
+_Key = tuple[str | None, StructuredOutput]  # (cache namespace, constraint): one cache entry
 
 
 def check_structured_params(params: SamplingParams) -> None:
@@ -84,21 +87,26 @@ class GrammarCache:
         self.max_entries = config.grammar_cache_size
         self._lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
-        self._entries: OrderedDict[StructuredOutput, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._entries: OrderedDict[_Key, Future[xgr.CompiledGrammar]] = OrderedDict()
         self._executor = ThreadPoolExecutor(_COMPILE_WORKERS, thread_name_prefix="kvshare-grammar")
         self.num_cache_hits = 0
         self.num_compile_failures = 0  # grammar errors and time-outs
         self._compile_seconds: list[float] = []
 
-    def compile_for(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
-        """The compiled grammar of params.structured (None without one); blocks up to the
-        time limit. Raises ParamError naming the field for anything this request cannot get."""
+    def compile_for(
+        self, params: SamplingParams, namespace: str | None = None
+    ) -> xgr.CompiledGrammar | None:
+        """The compiled grammar of params.structured (None without one) for the cache
+        namespace `namespace` (a request's cache_salt); blocks up to the time limit. Raises
+        ParamError naming the field for anything this request cannot get."""
         check_structured_params(params)
         if params.structured is None:
             return None
-        return self.compile(params.structured)
+        return self.compile(params.structured, namespace)
 
-    def compile(self, structured: StructuredOutput) -> xgr.CompiledGrammar:
+    def compile(
+        self, structured: StructuredOutput, namespace: str | None = None
+    ) -> xgr.CompiledGrammar:
         schema = structured.schema if structured.schema is not None else _ANY_JSON_OBJECT
         num_bytes = len(schema.encode())
         where = structured.param
@@ -109,7 +117,7 @@ class GrammarCache:
                 f"{self.max_schema_bytes} (max_schema_bytes)",
             )
         compiler = self._get_compiler()
-        future = self._future(structured, compiler)
+        future = self._future((namespace, structured), compiler)
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -136,21 +144,20 @@ class GrammarCache:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- internals ---------------------------------------------------------------------
-    def _future(
-        self, structured: StructuredOutput, compiler: xgr.GrammarCompiler
-    ) -> Future[xgr.CompiledGrammar]:
-        """The cached (or in-flight) compile of `structured`, else a newly submitted one."""
+    def _future(self, key: _Key, compiler: xgr.GrammarCompiler) -> Future[xgr.CompiledGrammar]:
+        """The cached (or in-flight) compile of key's constraint in key's namespace, else a
+        newly submitted one."""
         with self._lock:
-            future = self._entries.get(structured)
+            future = self._entries.get(key)
             if future is not None:
-                self._entries.move_to_end(structured)
+                self._entries.move_to_end(key)
                 self.num_cache_hits += 1
                 return future
-            future = self._executor.submit(self._run_compile, compiler, structured)
-            self._entries[structured] = future
+            future = self._executor.submit(self._run_compile, compiler, key[1])
+            self._entries[key] = future
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)  # the least recently used
-        future.add_done_callback(lambda done: self._forget_failed(structured, done))
+        future.add_done_callback(lambda done: self._forget_failed(key, done))
         return future
 
     def _run_compile(
@@ -167,12 +174,12 @@ class GrammarCache:
             self._compile_seconds.append(time.perf_counter() - started)
         return compiled
 
-    def _forget_failed(self, structured: StructuredOutput, future: Future) -> None:
+    def _forget_failed(self, key: _Key, future: Future) -> None:
         """A compile that raised is not cached: the next request with it tries again."""
         if future.cancelled() or future.exception() is not None:
             with self._lock:
-                if self._entries.get(structured) is future:
-                    del self._entries[structured]
+                if self._entries.get(key) is future:
+                    del self._entries[key]
 
     def _count_failure(self) -> None:
         with self._lock:

@@ -73,3 +73,36 @@ async def test_compare_to_an_earlier_id(client, tokenizer_dir) -> None:
     assert comparison["first_difference_index"] == index
     assert comparison["segment"] == {"kind": "message", "message_index": 0, "role": "user"}
     assert comparison["text_at"] == tokenizer.decode(ids_b[index : index + 8])
+
+
+async def test_a_cache_salt_sees_only_its_own_recent_prompts(client) -> None:
+    """Diagnostics and the cache report are scoped like the cache: tenant and cache_salt."""
+    first = (await client.post(CHAT, json=chat_body("hello there", cache_salt="s1"))).json()
+    asked = {"compare_to": first["id"]}
+    other = chat_body("hello world", cache_salt="s2", cache_diagnostics=asked)
+    refused = await client.post(CHAT, json=other)
+    assert refused.status_code == 404, refused.text  # s2 never had it
+    same = chat_body("hello world", cache_salt="s1", cache_diagnostics=asked)
+    assert (await client.post(CHAT, json=same)).status_code == 200
+    s1 = (await client.get("/debug/cache_report", params={"cache_salt": "s1"})).json()
+    s2 = (await client.get("/debug/cache_report", params={"cache_salt": "s2"})).json()
+    unsalted = (await client.get("/debug/cache_report")).json()
+    assert (s1["num_prompts"], s2["num_prompts"], unsalted["num_prompts"]) == (2, 0, 0)
+
+
+async def test_the_cache_report_renders_its_segments_off_the_event_loop(client, monkeypatch):
+    import threading
+
+    from app.cache_diagnostics import RecentPrompt
+
+    threads = []
+    segments = RecentPrompt.segments
+
+    def recording(self, tokenizer):
+        threads.append(threading.current_thread())
+        return segments(self, tokenizer)
+
+    monkeypatch.setattr(RecentPrompt, "segments", recording)
+    await client.post(CHAT, json=chat_body("hello there"))
+    assert (await client.get("/debug/cache_report")).status_code == 200
+    assert threads and threading.main_thread() not in threads

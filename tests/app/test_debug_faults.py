@@ -35,9 +35,11 @@ class FaultyEngine(FakeEngine):
         return FaultReport(kind, [block_id or 0], f"did {kind}")
 
 
-def settings(enable: bool, api_keys: tuple[str, ...] = ()) -> Settings:
+def settings(
+    enable: bool, api_keys: tuple[str, ...] = (), operator_keys: tuple[str, ...] = ()
+) -> Settings:
     return Settings(
-        server=ServerSettings(api_keys=api_keys),
+        server=ServerSettings(api_keys=api_keys, operator_keys=operator_keys),
         engine=EngineConfig(enable_fault_injection=enable),
     )
 
@@ -72,13 +74,22 @@ async def test_enabled_returns_what_the_engine_did(faulty) -> None:
     assert faulty.faults == [("wrong_block", 3, None), ("corrupt_block", 99, None)]
 
 
-async def test_enabled_with_api_keys_needs_a_key(faulty) -> None:
+async def test_with_tenants_only_an_operator_key_drills(faulty) -> None:
+    """A tenant key never drills the shared cache: 403 without operator_keys, 401 with."""
+
+    async def statuses(client) -> list[int]:
+        keys = [None, "k1", "op"]
+        headers = [{} if key is None else {"Authorization": f"Bearer {key}"} for key in keys]
+        return [
+            (await client.post("/debug/faults", json=CORRUPT, headers=h)).status_code
+            for h in headers
+        ]
+
     async with open_client(faulty, settings(enable=True, api_keys=("k1",))) as client:
-        anonymous = await client.post("/debug/faults", json=CORRUPT)
-        keyed = await client.post(
-            "/debug/faults", json=CORRUPT, headers={"Authorization": "Bearer k1"}
-        )
-    assert (anonymous.status_code, keyed.status_code) == (401, 200)
+        assert await statuses(client) == [403, 403, 403]
+    keyed = settings(enable=True, api_keys=("k1",), operator_keys=("op",))
+    async with open_client(faulty, keyed) as client:
+        assert await statuses(client) == [401, 401, 200]
     assert faulty.faults == [("corrupt_block", None, None)]
 
 

@@ -38,6 +38,8 @@ CAPS = {
     "max_logit_bias_entries": 2,
     "max_top_logprobs": 3,
     "max_tools": 2,
+    "max_stop_token_ids": 3,
+    "max_logprob_entries": 40,
 }
 MAX_SCHEMA_BYTES = 200
 
@@ -90,6 +92,13 @@ CASES: list[tuple[int, str, Callable[[int], tuple[str, dict]]]] = [
         lambda k: chat(logit_bias=dict.fromkeys(map(str, range(k)), 1)),
     ),
     (CAPS["max_top_logprobs"], "top_logprobs", lambda k: chat(logprobs=True, top_logprobs=k)),
+    (CAPS["max_stop_token_ids"], "stop_token_ids", lambda k: chat(stop_token_ids=[7] * k)),
+    (CAPS["max_stop_token_ids"], "stop_token_ids", lambda k: completion(stop_token_ids=[7] * k)),
+    (  # echoed prompt tokens, one logprob each: the response's entries
+        CAPS["max_logprob_entries"],
+        "logprobs",
+        lambda k: completion(prompt=[5] * k, echo=True, logprobs=0, max_tokens=0),
+    ),
     (CAPS["max_top_logprobs"], "logprobs", lambda k: completion(logprobs=k)),
     (
         CAPS["max_tools"],

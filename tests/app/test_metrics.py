@@ -203,3 +203,32 @@ async def test_grammar_figures_pushed_per_step_reach_the_scrape(client, engine: 
     assert sample(text, "kvshare_grammar_compile_seconds_count") == 2
     assert sample(text, "kvshare_grammar_compile_seconds_sum") == pytest.approx(0.32)
     assert sample(text, "kvshare_grammar_mask_seconds_count") == 1
+
+
+async def test_tenants_read_no_tenant_series_and_no_other_namespace_reason(engine) -> None:
+    """With api_keys and no operator_keys anyone may scrape: no kvshare_tenant_* series, and
+    misses another namespace could explain counted as no_earlier_prefix. With operator_keys,
+    /metrics is the operator's and shows both."""
+    from dataclasses import replace
+
+    from helpers import chat_body, make_settings, open_client
+
+    misses = (("other_namespace", 35), ("no_earlier_prefix", 5))
+    keyed = {"Authorization": "Bearer k1"}
+    async with open_client(engine, make_settings(api_keys=("k1",))) as client:
+        await client.post("/v1/chat/completions", json=chat_body(), headers=keyed)
+        metrics = client.app.state.kvshare.metrics
+        metrics.observe_engine(replace(engine.stats(), prefix_cache_miss_tokens=misses))
+        tenant_view = (await client.get("/metrics")).text
+    assert "kvshare_tenant_" not in tenant_view
+    assert 'kvshare_prefix_cache_miss_tokens_total{reason="other_namespace"} 0.0' in tenant_view
+    assert 'kvshare_prefix_cache_miss_tokens_total{reason="no_earlier_prefix"} 40.0' in tenant_view
+    settings = make_settings(api_keys=("k1",), operator_keys=("op",))
+    async with open_client(engine, settings) as client:
+        await client.post("/v1/chat/completions", json=chat_body(), headers=keyed)
+        metrics = client.app.state.kvshare.metrics
+        metrics.observe_engine(replace(engine.stats(), prefix_cache_miss_tokens=misses))
+        assert (await client.get("/metrics", headers=keyed)).status_code == 401
+        full = (await client.get("/metrics", headers={"x-api-key": "op"})).text
+    assert "kvshare_tenant_prompt_tokens_total" in full
+    assert 'kvshare_prefix_cache_miss_tokens_total{reason="other_namespace"} 35.0' in full

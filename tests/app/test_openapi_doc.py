@@ -70,10 +70,10 @@ async def test_api_keys_add_401_and_the_bearer_scheme(engine: FakeEngine) -> Non
     async with open_client(engine, make_settings(api_keys=("k1",))) as client:
         doc = await document(client)
         assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
-        for path in (CHAT, COMPLETIONS, "/v1/models", "/debug/faults"):
-            operation = doc["paths"][path][
-                "post" if "completions" in path or "debug" in path else "get"
-            ]
+        assert "401" not in declared(doc, "/debug/faults", "post")  # the operator's: 403
+        assert "403" in declared(doc, "/debug/kv_blocks", "get")
+        for path in (CHAT, COMPLETIONS, "/v1/models", "/debug/cache_report"):
+            operation = doc["paths"][path]["post" if "completions" in path else "get"]
             assert "401" in operation["responses"]
             assert operation["security"] == [{"bearer": []}, {"apiKey": []}]
         assert doc["components"]["securitySchemes"]["apiKey"]["name"] == "x-api-key"

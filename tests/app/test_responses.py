@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import anyio
 import fake_engine
 import pytest
 from fake_engine import FakeEngine
-from helpers import MODEL
+from helpers import MODEL, make_settings, post_then_disconnect, wait_ready
 from openai_schemas import assert_valid
 from tiny_tokenizer import FAKE_TEXTS
 
 from app.responses_request import input_messages
+from app.server import create_app
 
 pytestmark = pytest.mark.anyio
 
@@ -129,3 +131,32 @@ async def test_a_bad_function_tool_field_is_named_in_the_message(client) -> None
     error = response.json()["error"]
     assert error["param"] == "tools[1].name"
     assert error["message"] == "tools[1].name: Field required"
+
+
+async def test_a_client_that_leaves_aborts_the_request_and_stores_nothing(
+    engine: FakeEngine,
+) -> None:
+    """Not streamed: the disconnect is seen while the engine still runs the request."""
+    engine.pause_after_tokens = 3
+    app = create_app(engine, make_settings())
+    sent: list[dict] = []
+    body = {"model": MODEL, "input": "hi"}  # store defaults to true
+    async with app.router.lifespan_context(app):
+        await wait_ready(app)
+        disconnect = anyio.Event()
+        with anyio.fail_after(5):  # before the fix: the request waits on the paused engine
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(post_then_disconnect, app, "/v1/responses", body, disconnect, sent)
+                await engine.paused.wait()  # 3 tokens out, the engine holds the 4th step
+                disconnect.set()
+        request_id = engine.requests[0].request_id
+        assert engine.aborts == [(request_id, None)]
+        assert engine.closed == [request_id]
+        assert app.state.kvshare.num_in_flight == 0
+        metrics = app.state.kvshare.metrics.render().decode()
+    assert 'kvshare_requests_total{finish_reason="abort"} 1.0' in metrics
+    assert "kvshare_stored_responses 0.0" in metrics
+    assert [(m["type"], m.get("status")) for m in sent] == [
+        ("http.response.start", 499),
+        ("http.response.body", None),
+    ]

@@ -229,6 +229,29 @@ async def test_responses_are_scoped_to_the_api_key_and_the_cache_salt(engine) ->
         assert (await client.delete(f"/v1/responses/{plain['id']}", headers=a)).is_success
 
 
+async def test_one_tenant_s_flood_evicts_its_own_responses_not_another_s(engine) -> None:
+    """Bound 5, two tenants: a's share is 2.5, so a's fifth and sixth evict a's oldest two."""
+    settings = make_settings(api_keys=("key-a", "key-b"), store_max_responses=5)
+    async with open_client(engine, settings) as client:
+        a = {"Authorization": "Bearer key-a"}
+        b = {"Authorization": "Bearer key-b"}
+        body = {"model": MODEL, "input": "hi"}
+        kept = (await client.post("/v1/responses", json=body, headers=b)).json()
+        flood = [
+            (await client.post("/v1/responses", json=body, headers=a)).json() for _ in range(6)
+        ]
+        fetched = await client.get(f"/v1/responses/{kept['id']}", headers=b)
+        assert fetched.status_code == 200 and fetched.json() == kept
+        statuses = [
+            (await client.get(f"/v1/responses/{created['id']}", headers=a)).status_code
+            for created in flood
+        ]
+        assert statuses == [404, 404, 200, 200, 200, 200]
+        text = (await client.get("/metrics", headers=a)).text
+    assert 'kvshare_response_store_evictions_total{reason="count"} 2.0' in text
+    assert "kvshare_stored_responses 5.0" in text
+
+
 async def test_a_response_over_the_byte_bound_says_store_false(engine) -> None:
     async with open_client(engine, make_settings(store_max_bytes=1024)) as client:
         created = await create(client, input="x" * 1500)

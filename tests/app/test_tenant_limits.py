@@ -50,7 +50,7 @@ async def test_over_its_limit_a_tenant_gets_429_while_another_completes(
     engine, limit, pause_after_tokens, reason
 ) -> None:
     engine.pause_after_tokens = pause_after_tokens
-    settings = make_settings(api_keys=KEYS, **{limit: 2})
+    settings = make_settings(api_keys=KEYS, operator_keys=("op",), **{limit: 2})
     async with open_client(engine, settings) as client:
         alpha = [asyncio.create_task(post(client, ALPHA)) for _ in range(2)]
         await until(lambda: len(engine.requests) == 2 and engine.paused.is_set())
@@ -65,7 +65,7 @@ async def test_over_its_limit_a_tenant_gets_429_while_another_completes(
         responses = await asyncio.gather(*alpha, beta)
         assert [r.status_code for r in responses] == [200, 200, 200]
         assert (await post(client, ALPHA)).status_code == 200  # the load was released
-        metrics = (await client.get("/metrics")).text
+        metrics = (await client.get("/metrics", headers={"x-api-key": "op"})).text
         serving = client.app.state.kvshare.serving
         assert serving.tenants.loads.loads == {}
     labels = TenantLabels(16)
@@ -103,3 +103,39 @@ def test_tenant_labels_are_short_hashes_bounded_in_number() -> None:
     assert len(first) == 8 and first != second and "tenant" not in first
     assert labels.of("tenant-c") == "other" and labels.of("tenant-a") == first
     assert labels.of(None) == "default"
+
+
+async def test_a_burst_cannot_pass_the_limit_before_any_of_it_runs(engine) -> None:
+    """Admission counts a request in its tenant's load at once: of 20 simultaneous streams
+    under a limit of 1, one is served and 19 get a 429; another tenant is not limited; the
+    load is empty again at the end."""
+    engine.pause_after_tokens = 1
+    settings = make_settings(api_keys=KEYS, max_running_requests_per_tenant=1)
+    async with open_client(engine, settings) as client:
+        burst = [asyncio.create_task(post(client, ALPHA, stream=True)) for _ in range(20)]
+        await until(lambda: sum(task.done() for task in burst) == 19)
+        beta = asyncio.create_task(post(client, BETA))
+        await until(lambda: len(engine.requests) == 2)
+        engine.resume.set()
+        statuses = sorted(r.status_code for r in await asyncio.gather(*burst))
+        assert statuses == [200] + [429] * 19
+        assert (await beta).status_code == 200
+        assert client.app.state.kvshare.serving.tenants.loads.loads == {}
+
+
+async def test_token_routes_take_a_place_in_their_tenants_load(engine) -> None:
+    """Counting tokens templates the whole body too: a tenant at its limit of waiting requests
+    gets a 429 there as well; another tenant's counts go on."""
+    engine.pause_after_tokens = 0  # the chat request waits for its first output
+    settings = make_settings(api_keys=KEYS, max_waiting_requests_per_tenant=1)
+    async with open_client(engine, settings) as client:
+        waiting = asyncio.create_task(post(client, ALPHA))
+        await until(engine.paused.is_set)
+        body = {"prompt": "hello"}
+        refused = await client.post("/tokenize", json=body, headers=ALPHA)
+        assert refused.status_code == 429, refused.text
+        assert (await client.post("/tokenize", json=body, headers=BETA)).status_code == 200
+        engine.resume.set()
+        assert (await waiting).status_code == 200
+        assert (await client.post("/tokenize", json=body, headers=ALPHA)).status_code == 200
+        assert client.app.state.kvshare.serving.tenants.loads.loads == {}

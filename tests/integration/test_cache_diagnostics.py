@@ -22,14 +22,15 @@ from tests.integration.server import running_server, scrape
 
 pytestmark = pytest.mark.integration
 
-KEY_A, KEY_B = "diag-key-a", "diag-key-b"
+KEY_A, KEY_B, OPERATOR = "diag-key-a", "diag-key-b", "diag-operator"
 BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     flags = ("--num-kv-blocks", "64", "--audit-sample-rate", "1.0", "--enable-fault-injection")
-    with running_server(*flags, "--api-keys", f"{KEY_A},{KEY_B}") as url:
+    keys = ("--api-keys", f"{KEY_A},{KEY_B}", "--operator-keys", OPERATOR)
+    with running_server(*flags, *keys) as url:
         yield url
 
 
@@ -152,11 +153,15 @@ def test_an_evicted_prefix_is_named_evicted(alice):
 
 def test_another_tenant_is_never_revealed(alice, bob, base_url):
     messages = [{"role": "user", "content": "Alice's secret plan: build a rocket by Friday."}]
-    before = scrape(base_url)['kvshare_prefix_cache_miss_tokens_total{reason="other_namespace"}']
+    before = scrape(base_url, OPERATOR)[
+        'kvshare_prefix_cache_miss_tokens_total{reason="other_namespace"}'
+    ]
     chat(alice, messages, "tenant")
     answer = chat(bob, messages, "tenant")
     diagnostics = answer.model_extra["cache_diagnostics"]
-    after = scrape(base_url)['kvshare_prefix_cache_miss_tokens_total{reason="other_namespace"}']
+    after = scrape(base_url, OPERATOR)[
+        'kvshare_prefix_cache_miss_tokens_total{reason="other_namespace"}'
+    ]
     assert after - before == answer.usage.prompt_tokens  # the operator's metric knows
     # Bob learns nothing: the same answer as for a prompt nobody ever sent.
     never_sent = [{"role": "user", "content": "Bobs's secret plan: build a rocket by Friday."}]
@@ -168,7 +173,7 @@ def test_another_tenant_is_never_revealed(alice, bob, base_url):
 def test_compare_to_finds_the_first_difference_of_the_tenants_own_prompts(alice, bob):
     first = chat(alice, CONVERSATION, "compare", diagnostics=False)
     changed = [CONVERSATION[0], {"role": "user", "content": "Which moon is the largest?"}]
-    answer = chat(alice, changed, "compare-2", diagnostics={"compare_to": first.id})
+    answer = chat(alice, changed, "compare", diagnostics={"compare_to": first.id})
     comparison = answer.model_extra["cache_diagnostics"]["compare_to"]
     assert comparison["id"] == first.id
     assert comparison["segment"] == {"kind": "message", "message_index": 1, "role": "user"}
@@ -182,12 +187,12 @@ def test_compare_to_finds_the_first_difference_of_the_tenants_own_prompts(alice,
 def test_a_quarantined_prefix_is_named(alice, base_url):
     prompt = random_ids(3, 48)
     complete(alice, prompt, "drill")
-    headers = {"Authorization": f"Bearer {KEY_A}"}
+    headers = {"Authorization": f"Bearer {OPERATOR}"}  # drills are the operator's
     drill = httpx.post(f"{base_url}/debug/faults", json={"kind": "corrupt_block"}, headers=headers)
     assert drill.status_code == 200, drill.text
     complete(alice, prompt, "drill")  # reads the bad block; the audit quarantines it
     for _ in range(100):
-        if scrape(base_url)["kvshare_cache_quarantined_blocks_total"] > 0:
+        if scrape(base_url, OPERATOR)["kvshare_cache_quarantined_blocks_total"] > 0:
             break
         httpx.get(f"{base_url}/health")
     diagnostics = complete(alice, prompt, "drill")
@@ -196,7 +201,7 @@ def test_a_quarantined_prefix_is_named(alice, base_url):
 
 def test_miss_tokens_sum_to_prompt_tokens_not_served(alice, base_url):
     def misses() -> float:
-        metrics = scrape(base_url)
+        metrics = scrape(base_url, OPERATOR)
         return sum(v for k, v in metrics.items() if k.startswith("kvshare_prefix_cache_miss"))
 
     before = misses()
@@ -221,13 +226,15 @@ def test_the_tenant_report_finds_the_timestamp(bob, base_url):
     before = run_phase(bob, 8, dynamic_first=True, salt="report")
     point = before["examples"][0]["first_miss_index"]
     headers = {"Authorization": f"Bearer {KEY_B}"}
-    report = httpx.get(f"{base_url}/debug/cache_report", headers=headers, timeout=30).json()
+    url = f"{base_url}/debug/cache_report"
+    report = httpx.get(url, headers=headers, params={"cache_salt": "report"}, timeout=30).json()
     (finding,) = report["findings"]
     assert finding["from_token"] == point
     assert finding["segment"]["kind"] == "system"
     assert finding["message"].startswith("the system prompt carries per-request content at tok")
+    command = [sys.executable, "-m", "app.cli", "cache-report", base_url, "--api-key", KEY_B]
     printed = subprocess.run(
-        [sys.executable, "-m", "app.cli", "cache-report", base_url, "--api-key", KEY_B],
+        [*command, "--cache-salt", "report"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -18,7 +18,7 @@ from tests.integration.server import running_server, scrape
 
 pytestmark = pytest.mark.integration
 
-KEY_A, KEY_B = "limits-key-a", "limits-key-b"
+KEY_A, KEY_B, OPERATOR = "limits-key-a", "limits-key-b", "limits-operator"
 MAX_RUNNING = 2
 HELD_BLOCK_STATES = ('kvshare_kv_blocks{state="private"}', 'kvshare_kv_blocks{state="shared"}')
 MESSAGES = [{"role": "user", "content": "Name a planet of the solar system."}]
@@ -27,7 +27,8 @@ MESSAGES = [{"role": "user", "content": "Name a planet of the solar system."}]
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
     limit = ("--max-running-requests-per-tenant", str(MAX_RUNNING))
-    with running_server("--api-keys", f"{KEY_A},{KEY_B}", *limit) as url:
+    keys = ("--api-keys", f"{KEY_A},{KEY_B}", "--operator-keys", OPERATOR)
+    with running_server(*keys, *limit) as url:
         yield url
 
 
@@ -43,7 +44,7 @@ def held_blocks(metrics: dict[str, float]) -> float:
 def wait_idle(base_url: str) -> dict[str, float]:
     """/metrics once no request runs or waits (the engine publishes its stats per step)."""
     for _ in range(200):
-        metrics = scrape(base_url)
+        metrics = scrape(base_url, OPERATOR)
         busy = metrics['kvshare_requests{state="running"}']
         busy += metrics['kvshare_requests{state="waiting"}']
         if busy == 0 and held_blocks(metrics) == 0:
@@ -93,7 +94,7 @@ def test_a_tenant_over_its_limit_gets_429s_while_another_completes(base_url):
         assert [a.choices[0].finish_reason for a in answers] == ["length"] * 3
         with pytest.raises(openai.RateLimitError):  # A's streams still run: still refused
             ask(alice)
-        during = scrape(base_url)
+        during = scrape(base_url, OPERATOR)
         assert during['kvshare_requests{state="running"}'] == MAX_RUNNING
     finally:
         for stream in streams:

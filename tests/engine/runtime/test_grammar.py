@@ -54,6 +54,18 @@ def test_compile_is_cached_and_counted(model_info):
     cache.close()
 
 
+def test_one_namespace_never_hits_another_s_compile(model_info):
+    """A tenant's schema is compiled anew for another tenant (or salt): its hit (the time
+    saved, the counter) would tell that tenant the schema was used."""
+    cache = GrammarCache(model_info, EngineConfig())
+    tenant_a = cache.compile(BOOLEAN, '["a", null]')
+    tenant_b = cache.compile(BOOLEAN, '["b", null]')
+    assert tenant_b is not tenant_a and cache.num_cache_hits == 0
+    assert len(cache.drain_compile_seconds()) == 2  # both really compiled
+    assert cache.compile(BOOLEAN, '["a", null]') is tenant_a and cache.num_cache_hits == 1
+    cache.close()
+
+
 def test_cache_is_lru_bounded(model_info):
     cache = GrammarCache(model_info, EngineConfig(grammar_cache_size=1))
     first = cache.compile(BOOLEAN)
