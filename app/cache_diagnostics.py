@@ -226,39 +226,48 @@ class RecentPrompt:
         return chat_segments(tokenizer, self.messages, self.tools)
 
 
-class RecentPrompts:
-    """The prompts of each tenant's most recent responses, by response id.
+# Whose prompts a request's diagnostics see: (tenant, cache_salt), as its cache namespace.
+Scope = tuple[str | None, str | None]
 
-    Bounded: at most `num_per_tenant` ids per tenant and `num_tenants` tenants (least
-    recently used dropped first); num_per_tenant 0 keeps nothing (compare_to and the cache
-    report are then off). Holds references to what the requests built anyway.
+
+class RecentPrompts:
+    """The prompts of each tenant's most recent responses, by response id, each with the
+    cache_salt it came with: a scope (tenant, salt) sees only its own.
+
+    Bounded: at most `num_per_tenant` ids per tenant, whatever their salts (so no tenant's
+    salts push another tenant out), and `num_tenants` tenants (least recently used dropped
+    first); num_per_tenant 0 keeps nothing (compare_to and the cache report are then off).
+    Holds references to what the requests built anyway.
     """
 
     def __init__(self, num_per_tenant: int = 256, num_tenants: int = 64) -> None:
         self.num_per_tenant = num_per_tenant
         self.num_tenants = num_tenants
-        self._by_tenant: OrderedDict[str, OrderedDict[str, RecentPrompt]] = OrderedDict()
+        self._by_tenant: OrderedDict[str, OrderedDict[str, tuple[str | None, RecentPrompt]]]
+        self._by_tenant = OrderedDict()
 
-    def remember(self, tenant: str | None, response_id: str, prompt: RecentPrompt) -> None:
+    def remember(self, scope: Scope, response_id: str, prompt: RecentPrompt) -> None:
         if self.num_per_tenant <= 0:
             return
-        recent = self._by_tenant.setdefault(tenant or "", OrderedDict())
-        self._by_tenant.move_to_end(tenant or "")
-        recent[response_id] = prompt
+        tenant, salt = scope[0] or "", scope[1]
+        recent = self._by_tenant.setdefault(tenant, OrderedDict())
+        self._by_tenant.move_to_end(tenant)
+        recent[response_id] = (salt, prompt)
         while len(recent) > self.num_per_tenant:
             recent.popitem(last=False)
         while len(self._by_tenant) > self.num_tenants:
             self._by_tenant.popitem(last=False)
 
-    def prompts_of(self, tenant: str | None) -> list[RecentPrompt]:
-        """The tenant's remembered prompts, oldest first."""
-        return list(self._by_tenant.get(tenant or "", {}).values())
+    def prompts_of(self, scope: Scope) -> list[RecentPrompt]:
+        """The scope's remembered prompts, oldest first."""
+        recent = self._by_tenant.get(scope[0] or "", {})
+        return [prompt for salt, prompt in recent.values() if salt == scope[1]]
 
-    def lookup(self, tenant: str | None, response_id: str) -> list[int]:
-        """The earlier prompt's token ids; a 404 for an id this tenant never had (or that was
-        dropped), the same answer whether or not another tenant has it."""
-        found = self._by_tenant.get(tenant or "", {}).get(response_id)
-        if found is None:
+    def lookup(self, scope: Scope, response_id: str) -> list[int]:
+        """The earlier prompt's token ids; a 404 for an id this scope never had (or that was
+        dropped), the same answer whether or not another tenant or salt has it."""
+        salt, found = self._by_tenant.get(scope[0] or "", {}).get(response_id, (None, None))
+        if found is None or salt != scope[1]:
             raise APIError(
                 404,
                 f"No recent completion `{response_id}` to compare with.",
@@ -285,11 +294,11 @@ def wants_diagnostics(option: bool | Any | None, server_wide: bool) -> bool:
 def make_context(
     option: bool | Any | None,
     recent: RecentPrompts,
-    tenant: str | None,
+    scope: Scope,
     prompt_token_ids: list[int],
     segments: list[Segment],
 ) -> DiagnosticsContext:
     """The context of a diagnosed request; resolves compare_to (404 when unknown)."""
     compare_to = getattr(option, "compare_to", None)
-    compared = None if compare_to is None else recent.lookup(tenant, compare_to)
+    compared = None if compare_to is None else recent.lookup(scope, compare_to)
     return DiagnosticsContext(prompt_token_ids, segments, compared, compare_to)

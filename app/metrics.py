@@ -332,7 +332,8 @@ class ServerMetrics:
 class _TenantView:
     """The registry as a tenant may read it: no per-tenant series (kvshare_tenant_*), and
     misses whose prompt another namespace holds counted as no_earlier_prefix (the series stays,
-    at 0), so no figure says what another tenant has cached or sent."""
+    at 0), so no figure says what another tenant has cached. Aggregates stay (totals, pool
+    usage): they tell that others are busy, not what they sent."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry

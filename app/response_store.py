@@ -192,9 +192,11 @@ class SqliteResponseStore:
                 (stored.response_id, scope, self.clock(), num_bytes, body),
             ).lastrowid
             assert new_seq is not None
-            holdings = _Holdings(self._db, tenant_of(scope), new_seq)
-            evictions["count"] = holdings.evict_over("count", self.limits.max_responses)
-            evictions["bytes"] = holdings.evict_over("bytes", self.limits.max_bytes)
+            num_responses, total_bytes = self._totals()
+            if num_responses > self.limits.max_responses or total_bytes > self.limits.max_bytes:
+                holdings = _Holdings(self._db, tenant_of(scope), new_seq)  # room to make
+                evictions["count"] = holdings.evict_over("count", self.limits.max_responses)
+                evictions["bytes"] = holdings.evict_over("bytes", self.limits.max_bytes)
         self._publish(evictions)
         return True
 
@@ -228,12 +230,16 @@ class SqliteResponseStore:
         cutoff = self._expiry_cutoff()
         return self._db.execute("DELETE FROM responses WHERE stored_at <= ?", (cutoff,)).rowcount
 
+    def _totals(self) -> tuple[int, int]:
+        """The responses kept and their bytes."""
+        return self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(num_bytes), 0) FROM responses"
+        ).fetchone()
+
     def _publish(self, evictions: dict[str, int]) -> None:
         if self.observer is None:
             return
-        num_responses, num_bytes = self._db.execute(
-            "SELECT COUNT(*), COALESCE(SUM(num_bytes), 0) FROM responses"
-        ).fetchone()
+        num_responses, num_bytes = self._totals()
         self.observer.observe_response_store(num_responses, num_bytes, evictions)
 
 

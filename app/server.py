@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import APIError, error_response, install_error_handlers
 from app.metrics import ServerMetrics
-from app.openapi import install_openapi
+from app.openapi import OPERATOR_PATHS, install_openapi
 from app.routes import (
     chat,
     completions,
@@ -54,7 +54,6 @@ _GENERATION_PREFIX = "/v1/"
 # Routes that need an API key, when keys are set (also app/openapi.py's KEYED_PREFIXES),
 # but the operator's: those need an operator key (docs/security.md).
 _KEYED_PREFIXES = (_GENERATION_PREFIX, "/debug/", "/tokenize", "/detokenize")
-OPERATOR_PATHS = ("/metrics", "/debug/faults", "/debug/kv_blocks")
 
 
 def create_app(engine_client: EngineClient, settings: Settings) -> FastAPI:
@@ -225,8 +224,12 @@ class OperatorKeyMiddleware:
             return
         error = None
         if self.operator_keys and _matching_key(scope, self.operator_keys) is None:
-            message = "This route needs an operator key (operator_keys) as a bearer token."
-            error = APIError(401, message, code="invalid_operator_key")
+            message = (
+                "This route needs an operator key (operator_keys): send it as "
+                "`Authorization: Bearer <key>` or `x-api-key: <key>`."
+            )
+            headers = {"WWW-Authenticate": "Bearer"}
+            error = APIError(401, message, code="invalid_operator_key", headers=headers)
         elif not self.operator_keys and path != "/metrics":
             message = "This route is the operator's: set operator_keys to use it."
             error = APIError(403, message, code="operator_only")

@@ -25,6 +25,7 @@ from app.cache_diagnostics import (
     DiagnosticsContext,
     RecentPrompt,
     RecentPrompts,
+    Scope,
     Segment,
     chat_segments,
     make_context,
@@ -97,10 +98,10 @@ def cache_namespace_salt(tenant: str | None, cache_salt: str | None) -> str | No
     return json.dumps([tenant, cache_salt])
 
 
-def diagnostics_scope(tenant: str | None, cache_salt: str | None) -> str | None:
+def diagnostics_scope(tenant: str | None, cache_salt: str | None) -> Scope:
     """Whose recent prompts a request's cache diagnostics see: its cache namespace (tenant
     and cache_salt), so one salt's prompts are never compared with, nor shown to, another's."""
-    return cache_namespace_salt(tenant, cache_salt)
+    return tenant, cache_salt
 
 
 def scheduling_tenant(tenant: str | None, user: str | None, from_user: bool) -> str | None:
@@ -149,7 +150,7 @@ class Prepared:
     arrival: float = field(default_factory=time.monotonic)
     diagnostics: DiagnosticsContext | None = None  # asked for cache_diagnostics
     # (scope, response id, prompt): remembered for later diagnostics once admitted
-    recent: tuple[str | None, str, RecentPrompt] | None = None
+    recent: tuple[Scope, str, RecentPrompt] | None = None
 
     @classmethod
     def of(
@@ -496,6 +497,7 @@ class OpenAIServing:
         tenant is over a per-tenant limit: checked and counted at once, so a burst cannot pass
         the limits before any of it runs. Call it before answering (a stream cannot turn into a
         429 once started); the diagnostics remember the prompt only from here."""
+        assert record.ticket is None, "a request is admitted once"
         num_prompt_tokens = sum(len(r.prompt_token_ids) for r in prepared.engine_requests)
         tenant = prepared.engine_requests[0].tenant
         self.tenants.check(tenant, num_prompt_tokens)

@@ -2,13 +2,14 @@
 GET /debug/kv_blocks: the KV event hashes of every cached block (only with KV events on).
 
 Only a server started with --enable-fault-injection (engine key enable_fault_injection) acts
-on it; any other answers 403 with an OpenAI error body. With API keys configured the route
-needs one, like /v1/. The engine's refusals (FaultInjectionDisabled, InvalidFaultTarget,
-EngineNotReady) become statuses through app/errors.py's ENGINE_ERRORS.
+on it; any other answers 403 with an OpenAI error body. It is the operator's: with
+operator_keys it needs one of them, with api_keys alone it answers 403 (app/server.py
+OperatorKeyMiddleware, docs/security.md). The engine's refusals (FaultInjectionDisabled,
+InvalidFaultTarget, EngineNotReady) become statuses through app/errors.py's ENGINE_ERRORS.
 
 /debug/kv_blocks is the reference a KV event subscriber can check its rebuilt set against
 (engine/kv_event_publisher.py); a server without kv_events_endpoint answers 404 with an OpenAI
-error body. It is read-only, and keyed like /debug/faults.
+error body. It is read-only, and the operator's like /debug/faults.
 
 GET /debug/cache_report: where the calling tenant's recent prompts diverge from each other,
 with a plain-language finding (docs/cache-diagnostics.md); keyed like the others, and only

@@ -355,7 +355,8 @@ class Scheduler:
         theirs can still be preempted. A plain decode takes one block at most."""
         if not self.is_fair_share:
             return decoding
-        if not may_draft and self.kv_cache_manager.num_free_blocks >= len(decoding):
+        # Room for every decode (a drafted one spans two blocks at most): nobody preempts.
+        if self.kv_cache_manager.num_free_blocks >= len(decoding) * (2 if may_draft else 1):
             return decoding
         if len({seq.tenant for seq in decoding}) < 2:
             return decoding

@@ -51,21 +51,34 @@ def test_too_few_prompts_have_no_finding() -> None:
 
 def test_recent_prompts_are_bounded_per_tenant_and_in_tenants() -> None:
     recent = RecentPrompts(num_per_tenant=2, num_tenants=2)
+    a, b, c = ("a", None), ("b", None), ("c", None)
     for i in range(3):
-        recent.remember("a", f"id{i}", RecentPrompt([i]))
-    assert [p.token_ids for p in recent.prompts_of("a")] == [[1], [2]]
-    recent.remember("b", "x", RecentPrompt([7]))
-    recent.remember("c", "y", RecentPrompt([8]))
-    assert recent.prompts_of("a") == []  # least recently used tenant dropped
+        recent.remember(a, f"id{i}", RecentPrompt([i]))
+    assert [p.token_ids for p in recent.prompts_of(a)] == [[1], [2]]
+    recent.remember(b, "x", RecentPrompt([7]))
+    recent.remember(c, "y", RecentPrompt([8]))
+    assert recent.prompts_of(a) == []  # least recently used tenant dropped
     with pytest.raises(APIError) as refused:
-        recent.lookup("c", "x")  # b's id, asked by c: the same 404 as an unknown id
+        recent.lookup(c, "x")  # b's id, asked by c: the same 404 as an unknown id
     assert refused.value.status_code == 404
+
+
+def test_a_tenants_salts_share_its_bound_and_never_push_out_another_tenant() -> None:
+    recent = RecentPrompts(num_per_tenant=2, num_tenants=2)
+    recent.remember(("b", None), "b0", RecentPrompt([9]))
+    for salt in range(65):  # a's salts: a flood of scopes, one tenant
+        recent.remember(("a", str(salt)), f"a{salt}", RecentPrompt([salt]))
+    assert [p.token_ids for p in recent.prompts_of(("b", None))] == [[9]]
+    assert [p.token_ids for p in recent.prompts_of(("a", "64"))] == [[64]]
+    assert recent.lookup(("a", "63"), "a63") == [63]
+    with pytest.raises(APIError):
+        recent.lookup(("a", "64"), "a63")  # another salt's id: unknown here
 
 
 def test_recent_prompts_off_keeps_nothing() -> None:
     recent = RecentPrompts(num_per_tenant=0)
-    recent.remember("a", "id", RecentPrompt([1]))
-    assert recent.prompts_of("a") == []
+    recent.remember(("a", None), "id", RecentPrompt([1]))
+    assert recent.prompts_of(("a", None)) == []
 
 
 @pytest.mark.parametrize(
