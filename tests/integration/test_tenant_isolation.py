@@ -135,6 +135,56 @@ def test_tenant_b_cannot_tell_from_ttft_what_tenant_a_cached(timing_server: str)
     assert statistics.median(samples["a cached"]) < statistics.median(samples["a fresh"])
 
 
+def answer_seconds(client: openai.OpenAI, model: str, schema: dict) -> float:
+    """Seconds for a one-token answer constrained by `schema` (its grammar compiled, or taken
+    from the cache); the prompt is shorter than a block, so no prefix cache is involved."""
+    start = time.perf_counter()
+    client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=1,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    )
+    return time.perf_counter() - start
+
+
+def slow_schema(rng: random.Random) -> dict:
+    """24 patterned string fields: ~0.1 s of compile on a 2-core CPU, a fresh grammar each."""
+    pattern = {"type": "string", "pattern": "^[a-z]{2,8}-[0-9]{1,4}$"}
+    properties = {f"field_{rng.randrange(10**9)}_{i}": pattern for i in range(24)}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def test_tenant_b_cannot_tell_from_latency_which_schema_tenant_a_used(timing_server) -> None:
+    """The grammar cache is per namespace: B's request with A's schema compiles it anew, as
+    a schema nobody used does; A's own repeat is a cache hit (the same rule as above)."""
+    a, b = client_for(timing_server, KEY_A), client_for(timing_server, KEY_B)
+    model = a.models.list().data[0].id
+    rng = random.Random(16)
+    for client in (a, b):  # warm-up
+        answer_seconds(client, model, slow_schema(rng))
+    samples: dict[str, list[float]] = {"a fresh": [], "a cached": [], "b probe": [], "b ctl": []}
+    for _ in range(TIMING_ROUNDS):
+        used = slow_schema(rng)
+        samples["a fresh"].append(answer_seconds(a, model, used))
+        probes = [("b probe", used), ("b ctl", slow_schema(rng))]
+        rng.shuffle(probes)
+        for name, schema in probes:
+            samples[name].append(answer_seconds(b, model, schema))
+        samples["a cached"].append(answer_seconds(a, model, used))
+    leaks, cross = is_significant(samples["b probe"], samples["b ctl"])
+    works, within = is_significant(samples["a cached"], samples["a fresh"])
+    print(f"\nB probe vs B control: {cross}\nA cached vs A fresh: {within}")
+    assert not leaks, f"B's latency tells A's schema from a fresh one: {cross}"
+    assert works, f"the grammar cache made no significant difference within A: {within}"
+
+
 # -- the flood ------------------------------------------------------------------------------
 FLOOD_BLOCKS = 64  # the pool: B's flood (24 prompts x 4 blocks) turns it over 1.5 times
 FLOOD_CAP = 16
