@@ -182,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
 def _run_variant(args, flags: tuple[str, ...], billing: bool) -> list[Turn]:
     if args.url:
         return run_conversation(args.url, billing)
-    from tests.integration.server import running_server
+    from benchmarks.serving import running_kvshare
 
-    with running_server(*flags, *args.server_args.split()) as url:
+    with running_kvshare(*flags, *args.server_args.split()) as url:
         return run_conversation(url, billing)
 
 

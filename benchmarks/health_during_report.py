@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.url:
         return report(args, args.url)
-    from tests.integration.server import running_server
+    from benchmarks.serving import running_kvshare
 
-    with running_server("--max-messages", str(args.messages)) as url:
+    with running_kvshare("--max-messages", str(args.messages)) as url:
         return report(args, url)
 
 

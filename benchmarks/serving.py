@@ -29,6 +29,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -566,6 +568,23 @@ def stop_server(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+@contextmanager
+def running_kvshare(*flags: str) -> Iterator[str]:
+    """A `kvshare serve` of this tree (config/cpu.yaml, the exact mode unless `flags` choose)
+    on a free loopback port; yields its base URL, stops it at the end."""
+    port = free_port()
+    repo = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "app.cli", "serve", "--config", "config/cpu.yaml"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    if "--quantization" not in flags:
+        command += ["--quantization", "none"]
+    process = start_server([*command, *flags], f"http://127.0.0.1:{port}/ready", cwd=repo)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(process)
 
 
 # ---------------------------------------------------------------- command line

@@ -43,6 +43,7 @@ class DiagnosticsAsked:
     native: bool = False
     extension: bool = False
     previous_missing: bool = False
+    previous_chat_id: str | None = None  # the comparison, where the previous Message is known
 
     def fields(self, ours: dict[str, Any] | None, prepared: Prepared) -> dict[str, Any]:
         """The Message's diagnostics fields from `ours` (serving.diagnostics_json)."""

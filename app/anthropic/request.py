@@ -13,7 +13,7 @@ import json
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, PrivateAttr
+from pydantic import Field
 
 from app.request_models import CacheDiagnosticsOptions, ChatCompletionRequest
 from app.request_parts import RequestModel, validated_part
@@ -186,7 +186,6 @@ class MessagesConversation(RequestModel):
     # kvshare extensions, as on the OpenAI routes
     cache_salt: str | None = None
     cache_diagnostics: bool | CacheDiagnosticsOptions | None = None
-    _previous_chat_id: str | None = PrivateAttr(default=None)
 
     def custom_tools(self) -> list[CustomTool] | None:
         if self.tools is None:
@@ -228,9 +227,12 @@ class MessagesConversation(RequestModel):
         text = self.system_text(strip_volatile=False)
         return text is not None and VOLATILE_SYSTEM_LINE.match(text) is not None
 
-    def chat_fields(self, strip_volatile: bool) -> dict[str, Any]:
-        """The chat request's fields that come from the conversation."""
-        self.check_thinking(getattr(self, "max_tokens", None))
+    def chat_fields(
+        self, strip_volatile: bool, max_tokens: int | None = None, diagnose: Any = None
+    ) -> dict[str, Any]:
+        """The chat request's fields that come from the conversation; `diagnose`: the
+        cache_diagnostics that Anthropic's own `diagnostics` asks for (MessagesRequest)."""
+        self.check_thinking(max_tokens)
         tools = self.custom_tools()
         system = self.system_text(strip_volatile)
         messages = [{"role": "system", "content": system}] if system else []
@@ -247,7 +249,8 @@ class MessagesConversation(RequestModel):
                 fields["continue_final_message"] = True  # a prefilled answer is continued
             elif len(messages) > 1:
                 messages.pop()  # an answer of thinking alone: nothing to continue
-        optional = {"cache_salt": self.cache_salt, "cache_diagnostics": self._diagnostics()}
+        diagnostics = self._diagnostics() or diagnose
+        optional = {"cache_salt": self.cache_salt, "cache_diagnostics": diagnostics}
         return fields | {name: value for name, value in optional.items() if value is not None}
 
     def _output_format(self) -> dict[str, Any] | None:
@@ -265,22 +268,15 @@ class MessagesConversation(RequestModel):
         return {"type": "json_schema", "json_schema": spec}
 
     def _diagnostics(self) -> Any:
-        """cache_diagnostics of the chat request: the extension's, else what Anthropic's own
-        `diagnostics` needs (a comparison with the previous Message, when it is known)."""
+        """The cache_diagnostics extension as the chat request takes it (a Message id in
+        compare_to is its chat response's)."""
         option = self.cache_diagnostics
-        if isinstance(option, CacheDiagnosticsOptions):
-            earlier = option.compare_to
-            if earlier is not None and earlier.startswith("msg_"):
-                earlier = chat_id_of(earlier)
-            return {"compare_to": earlier}
-        if option or self._previous_chat_id is None:
-            return option or (None if getattr(self, "diagnostics", None) is None else True)
-        return {"compare_to": self._previous_chat_id}
-
-    def compare_with(self, chat_id: str) -> None:
-        """Diagnose against this earlier chat prompt: diagnostics.previous_message_id's, once
-        the route knows this tenant still has it."""
-        self._previous_chat_id = chat_id
+        if not isinstance(option, CacheDiagnosticsOptions):
+            return option
+        earlier = option.compare_to
+        if earlier is not None and earlier.startswith("msg_"):
+            earlier = chat_id_of(earlier)
+        return {"compare_to": earlier}
 
     def to_chat_request(self, strip_volatile: bool = False) -> ChatCompletionRequest:
         return _ChatRequest.model_validate(self.chat_fields(strip_volatile), strict=False)
@@ -302,12 +298,20 @@ class MessagesRequest(MessagesConversation):
     inference_geo: str | None = None  # accepted, without effect: one place
 
     def to_chat_request(
-        self, strip_volatile: bool = False, max_output_tokens: int | None = None
+        self,
+        strip_volatile: bool = False,
+        max_output_tokens: int | None = None,
+        previous_chat_id: str | None = None,
     ) -> ChatCompletionRequest:
         """max_tokens is a bound: capped at max_output_tokens here, at the context window's
-        room by serving (agents send 32k or 64k whatever the model)."""
+        room by serving (agents send 32k or 64k whatever the model). previous_chat_id: the
+        chat id of diagnostics.previous_message_id, once the route knows the tenant has it."""
         max_tokens = min(self.max_tokens, max_output_tokens or self.max_tokens)
-        fields = self.chat_fields(strip_volatile) | {"max_tokens": max_tokens}
+        diagnose = None
+        if self.diagnostics is not None:  # Anthropic's own: a comparison when there is one
+            diagnose = {"compare_to": previous_chat_id} if previous_chat_id else True
+        fields = self.chat_fields(strip_volatile, self.max_tokens, diagnose)
+        fields["max_tokens"] = max_tokens
         optional = {
             "stop": self.stop_sequences,
             "temperature": self.temperature,

@@ -103,7 +103,8 @@ async def create_message(
     asked = diagnostics_asked(serving, body, record)
     with named_as_messages():
         strip = settings.strip_volatile_system_lines
-        chat_request = body.to_chat_request(strip, serving.limits.max_output_tokens)
+        max_output_tokens = serving.limits.max_output_tokens
+        chat_request = body.to_chat_request(strip, max_output_tokens, asked.previous_chat_id)
         prepared = await serving.prepare(chat_request, record)
         serving.check_tenant_limits(prepared, record)
     if not strip and body.has_volatile_system_line():
@@ -125,17 +126,18 @@ def diagnostics_asked(
 ) -> DiagnosticsAsked:
     """What diagnostics the Message carries; a previous_message_id this tenant still has
     becomes the comparison (one it does not: previous_message_not_found, not a 404)."""
-    previous_missing = False
+    previous_missing, previous_chat_id = False, None
     previous = body.diagnostics.previous_message_id if body.diagnostics else None
     if previous is not None and not isinstance(body.cache_diagnostics, CacheDiagnosticsOptions):
         try:
             scope = diagnostics_scope(record.tenant, body.cache_salt)
             serving.recent_prompts.lookup(scope, chat_id_of(previous))
-            body.compare_with(chat_id_of(previous))
+            previous_chat_id = chat_id_of(previous)
         except APIError:
             previous_missing = True
     extension = wants_diagnostics(body.cache_diagnostics, serving.settings.cache_diagnostics)
-    return DiagnosticsAsked(body.diagnostics is not None, extension, previous_missing)
+    native = body.diagnostics is not None
+    return DiagnosticsAsked(native, extension, previous_missing, previous_chat_id)
 
 
 def mark_volatile_prefix(

@@ -81,6 +81,16 @@ def streamed_text(chunks: list[dict], index: int = 0, key: str = "content") -> s
     return "".join(parts)
 
 
+def assert_aborted_at_the_pause(app, engine: FakeEngine) -> str:
+    """The one request was aborted while the engine held it, its stream closed, nothing is in
+    flight; returns the app's /metrics text."""
+    request_id = engine.requests[0].request_id
+    assert engine.aborts == [(request_id, None)]
+    assert engine.closed == [request_id]
+    assert app.state.kvshare.num_in_flight == 0
+    return app.state.kvshare.metrics.render().decode()
+
+
 async def post_then_disconnect(
     app, path: str, body: dict, disconnect, sent: list[dict], headers=(), send_override=None
 ) -> None:

@@ -8,7 +8,14 @@ import logging
 import anyio
 import pytest
 from fake_engine import FakeEngine
-from helpers import chat_body, make_settings, open_client, post_then_disconnect, wait_ready
+from helpers import (
+    assert_aborted_at_the_pause,
+    chat_body,
+    make_settings,
+    open_client,
+    post_then_disconnect,
+    wait_ready,
+)
 from openai_schemas import assert_valid
 from tiny_tokenizer import FAKE_TEXTS
 
@@ -97,12 +104,8 @@ async def test_client_disconnect_aborts_the_request(engine: FakeEngine, stream: 
             with anyio.fail_after(5):
                 await engine.paused.wait()  # 3 tokens out, the engine holds the 4th step
             disconnect.set()
-        request_id = engine.requests[0].request_id
         # Aborted while the engine was still paused: no further step was needed.
-        assert engine.aborts == [(request_id, None)]
-        assert engine.closed == [request_id]
-        assert app.state.kvshare.num_in_flight == 0
-        metrics = app.state.kvshare.metrics.render().decode()
+        metrics = assert_aborted_at_the_pause(app, engine)
         assert 'kvshare_requests_total{finish_reason="abort"} 1.0' in metrics
     if stream:
         bodies = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")

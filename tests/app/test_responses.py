@@ -6,7 +6,13 @@ import anyio
 import fake_engine
 import pytest
 from fake_engine import FakeEngine
-from helpers import MODEL, make_settings, post_then_disconnect, wait_ready
+from helpers import (
+    MODEL,
+    assert_aborted_at_the_pause,
+    make_settings,
+    post_then_disconnect,
+    wait_ready,
+)
 from openai_schemas import assert_valid
 from tiny_tokenizer import FAKE_TEXTS
 
@@ -149,11 +155,7 @@ async def test_a_client_that_leaves_aborts_the_request_and_stores_nothing(
                 tasks.start_soon(post_then_disconnect, app, "/v1/responses", body, disconnect, sent)
                 await engine.paused.wait()  # 3 tokens out, the engine holds the 4th step
                 disconnect.set()
-        request_id = engine.requests[0].request_id
-        assert engine.aborts == [(request_id, None)]
-        assert engine.closed == [request_id]
-        assert app.state.kvshare.num_in_flight == 0
-        metrics = app.state.kvshare.metrics.render().decode()
+        metrics = assert_aborted_at_the_pause(app, engine)
     assert 'kvshare_requests_total{finish_reason="abort"} 1.0' in metrics
     assert "kvshare_stored_responses 0.0" in metrics
     assert [(m["type"], m.get("status")) for m in sent] == [

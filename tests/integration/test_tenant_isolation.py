@@ -107,32 +107,41 @@ def timing_server() -> Iterator[str]:
         yield url
 
 
+def probe_rounds(measure, fresh, rng: random.Random) -> tuple[bool, str, bool, str]:
+    """TIMING_ROUNDS rounds: A uses a fresh item (a prompt, a schema), B sends it and a fresh
+    control in a random order (load drift must not favour either side), A sends it again.
+    measure(tenant, item) -> seconds. Returns (leaks, B probe vs control, works, A repeat vs
+    A first), each verdict by is_significant."""
+    samples: dict[str, list[float]] = {"a fresh": [], "a cached": [], "b probe": [], "b ctl": []}
+    for _ in range(TIMING_ROUNDS):
+        used = fresh()
+        samples["a fresh"].append(measure("a", used))
+        probes = [("b probe", used), ("b ctl", fresh())]
+        rng.shuffle(probes)
+        for name, item in probes:
+            samples[name].append(measure("b", item))
+        samples["a cached"].append(measure("a", used))
+    leaks, cross = is_significant(samples["b probe"], samples["b ctl"])
+    works, within = is_significant(samples["a cached"], samples["a fresh"])
+    print(f"\nB probe vs B control: {cross}\nA cached vs A fresh: {within}")
+    faster = statistics.median(samples["a cached"]) < statistics.median(samples["a fresh"])
+    return leaks, cross, works and faster, within
+
+
 def test_tenant_b_cannot_tell_from_ttft_what_tenant_a_cached(timing_server: str) -> None:
-    a, b = client_for(timing_server, KEY_A), client_for(timing_server, KEY_B)
-    model = a.models.list().data[0].id
+    clients = {"a": client_for(timing_server, KEY_A), "b": client_for(timing_server, KEY_B)}
+    model = clients["a"].models.list().data[0].id
     rng = random.Random(15)
 
     def fresh_prompt() -> list[int]:
         return [rng.randint(*VOCAB) for _ in range(TIMING_PROMPT_TOKENS)]
 
-    for client in (a, b):  # warm-up: first-request costs stay out of the samples
+    for client in clients.values():  # warm-up: first-request costs stay out of the samples
         ttft(client, model, fresh_prompt())
-    samples: dict[str, list[float]] = {"a fresh": [], "a cached": [], "b probe": [], "b ctl": []}
-    for _ in range(TIMING_ROUNDS):
-        shared = fresh_prompt()
-        samples["a fresh"].append(ttft(a, model, shared))
-        probes = [("b probe", shared), ("b ctl", fresh_prompt())]
-        rng.shuffle(probes)  # load drift must not favour either side
-        for name, prompt in probes:
-            samples[name].append(ttft(b, model, prompt))
-        samples["a cached"].append(ttft(a, model, shared))
-
-    leaks, cross = is_significant(samples["b probe"], samples["b ctl"])
-    works, within = is_significant(samples["a cached"], samples["a fresh"])
-    print(f"\nB probe vs B control: {cross}\nA cached vs A fresh: {within}")
+    measure = lambda tenant, prompt: ttft(clients[tenant], model, prompt)  # noqa: E731
+    leaks, cross, works, within = probe_rounds(measure, fresh_prompt, rng)
     assert not leaks, f"B's TTFT tells A's cached prompt from a fresh one: {cross}"
     assert works, f"the cache made no significant difference within tenant A: {within}"
-    assert statistics.median(samples["a cached"]) < statistics.median(samples["a fresh"])
 
 
 def answer_seconds(client: openai.OpenAI, model: str, schema: dict) -> float:
@@ -164,23 +173,13 @@ def slow_schema(rng: random.Random) -> dict:
 def test_tenant_b_cannot_tell_from_latency_which_schema_tenant_a_used(timing_server) -> None:
     """The grammar cache is per namespace: B's request with A's schema compiles it anew, as
     a schema nobody used does; A's own repeat is a cache hit (the same rule as above)."""
-    a, b = client_for(timing_server, KEY_A), client_for(timing_server, KEY_B)
-    model = a.models.list().data[0].id
+    clients = {"a": client_for(timing_server, KEY_A), "b": client_for(timing_server, KEY_B)}
+    model = clients["a"].models.list().data[0].id
     rng = random.Random(16)
-    for client in (a, b):  # warm-up
+    for client in clients.values():  # warm-up
         answer_seconds(client, model, slow_schema(rng))
-    samples: dict[str, list[float]] = {"a fresh": [], "a cached": [], "b probe": [], "b ctl": []}
-    for _ in range(TIMING_ROUNDS):
-        used = slow_schema(rng)
-        samples["a fresh"].append(answer_seconds(a, model, used))
-        probes = [("b probe", used), ("b ctl", slow_schema(rng))]
-        rng.shuffle(probes)
-        for name, schema in probes:
-            samples[name].append(answer_seconds(b, model, schema))
-        samples["a cached"].append(answer_seconds(a, model, used))
-    leaks, cross = is_significant(samples["b probe"], samples["b ctl"])
-    works, within = is_significant(samples["a cached"], samples["a fresh"])
-    print(f"\nB probe vs B control: {cross}\nA cached vs A fresh: {within}")
+    measure = lambda tenant, schema: answer_seconds(clients[tenant], model, schema)  # noqa: E731
+    leaks, cross, works, within = probe_rounds(measure, lambda: slow_schema(rng), rng)
     assert not leaks, f"B's latency tells A's schema from a fresh one: {cross}"
     assert works, f"the grammar cache made no significant difference within A: {within}"
 
