@@ -13,7 +13,7 @@ row count (layout, tiling and scheduling changes must), then prints each one's m
 call and GFLOP/s, and the ratio.
 
 With --amx the two sides are this tree's one library with its panels on AMX tiles and on the
-FMAs (the paths of prompt and of generated tokens on such a CPU; block_kernels.cpp, "Panels on
+FMAs (the paths of prompt and of generated tokens on such a CPU; amx_panels.cpp, "Panels on
 AMX tiles"), switched before each call. Those sum in different orders, so each is checked
 against F.linear on the dequantized weights instead (fp64, within 1e-5 of sum |x w|).
 """

@@ -2,7 +2,7 @@
 
     python benchmarks/ab_greedy_head.py [--batches 8 4 1] [--steps 300] [--prompt-tokens 300]
 
-Under quantization native a greedy row's token can come from GreedyHead (block_kernels.cpp,
+Under quantization native a greedy row's token can come from GreedyHead (greedy_head.cpp,
 greedy_head: integer estimates of every logit, then the few panels that can hold the largest
 computed exactly) instead of the full Q8_0 LM head and an argmax. One engine (config/cpu.yaml,
 drafting and the audit off) decodes `batch` greedy sequences of ~`prompt-tokens`; step by step

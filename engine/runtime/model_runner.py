@@ -127,7 +127,7 @@ def tile_rows(seqs: list[ScheduledSeq]) -> torch.Tensor:
     token's (never None, the kernels' default path: a decode row's path is 0 in every step).
 
     Why by the token: on an AMX Xeon the panel kernels run a prefill chunk about 2x faster on the
-    tiles than on the FMAs, but a lone decode row 1.7x slower (block_kernels.cpp, "Panels on AMX
+    tiles than on the FMAs, but a lone decode row 1.7x slower (amx_panels.cpp, "Panels on AMX
     tiles"), and the two paths give different bits. Choosing by the batch (its size, its mix of
     prefill and decode) would make a request's text depend on what else runs; choosing by the
     token does not: a prompt token takes the tiles and a generated one the FMAs in every batch,

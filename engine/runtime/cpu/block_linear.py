@@ -1,4 +1,4 @@
-"""Weights kept in GGUF block formats and computed as stored (engine/runtime/cpu/block_kernels.cpp).
+"""Weights kept in GGUF block formats and computed as stored (engine/runtime/cpu/block_linear.cpp).
 
 A GGUF file stores each weight row as blocks: Q4_0, Q4_1 and Q8_0 hold 32 weights a block (an
 fp16 scale, a minimum for Q4_1, and 4- or 8-bit codes), Q4_K and Q6_K 256 a super-block. The
@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-# GGML's type numbers of the formats block_kernels.cpp computes on, with (weights, bytes) per block.
+# GGML's type numbers of the formats the block kernels compute on, with (weights, bytes) per block
+# (kvshare_native.h's format codes).
 BLOCK_FORMATS: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 32, 18),
     "Q4_1": (3, 32, 20),
@@ -30,7 +31,7 @@ BLOCK_FORMATS: dict[str, tuple[int, int, int]] = {
     "Q6_K": (14, 256, 210),
 }
 FORMAT_NAMES = {code: name for name, (code, _, _) in BLOCK_FORMATS.items()}
-# Formats block_kernels.cpp also computes as panels, with the fp16 fields at the head of each
+# Formats the block kernels also compute as panels, with the fp16 fields at the head of each
 # block (scale, then Q4_1's minimum); a panel format's kernel code is PANEL_CODE + GGML's number.
 PANEL_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1}
 PANEL_CODE = 100
@@ -149,12 +150,12 @@ class BlockLinear(nn.Module):
 class GreedyHead:
     """Each row's greedy token under a Q8_0 panel LM head, without computing all of its logits.
 
-    block_kernels.cpp (greedy_head) estimates every logit from int8 codes of the row (VNNI:
+    greedy_head.cpp estimates every logit from int8 codes of the row (VNNI:
     4 products per lane and instruction), bounds the estimate's error by the head row's norm
     times the row's quantization error (plus a margin for rounding), and computes exactly, with
     the head's own tile, only the panels whose logits can reach the largest lower bound: the
     answer is torch.argmax of the full head's logits, ties to the first index, in about half the
-    time at 4-8 rows. The product uses it where block_kernels.cpp runs the estimate on AVX-512
+    time at 4-8 rows. The product uses it where greedy_head.cpp runs the estimate on AVX-512
     VNNI and VBMI (quant.greedy_head: an AVX-512 build on a CPU that has them); elsewhere the
     estimate runs in plain loops, for the tests.
     """

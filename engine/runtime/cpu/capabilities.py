@@ -5,7 +5,7 @@ Three answers differ between the x86-64 CPUs kvshare runs on:
 - bf16_linear: whether oneDNN can pack and run bfloat16 linears. It needs AVX-512 (BW, VL,
   DQ) or AVX-NE-CONVERT; on an AVX2-only CPU mkldnn._reorder_linear_weight refuses bf16, so
   there bf16 models keep plain nn.Linear (engine/runtime/cpu/linear.py, can_pack).
-- isa: the best vector level the native kernels (engine/runtime/cpu/kernels.cpp, built by
+- isa: the best vector level the native kernels (engine/runtime/cpu/*.cpp, built by
   engine/runtime/cpu/native.py) can target here, from the /proc/cpuinfo flags: "avx512"
   (x86-64-v4: avx512f, bw, vl, dq, cd), "avx2" (x86-64-v3: avx2, fma, bmi1/2, f16c, movbe,
   lzcnt), "baseline" (x86-64-v2: sse4_2, popcnt, ...), or "native" off x86-64 or without those
@@ -14,8 +14,7 @@ Three answers differ between the x86-64 CPUs kvshare runs on:
   tiles (amx_tile and amx_bf16 in the flags, Intel Xeons from Sapphire Rapids on); the tokens it
   generates stay on the FMAs (engine/runtime/model_runner.py, tile_rows: prefill about 2x
   faster on the tiles, a lone decode row 1.7x slower). The kernel library also asks Linux for
-  the tile state and keeps the FMA path where it is refused (block_kernels.cpp, "Panels on AMX
-  tiles").
+  the tile state and keeps the FMA path where it is refused (amx_panels.cpp).
 
 Three environment variables choose another path than the default one, to run (or test) it on a CPU
 that has the better one, or to step around a fast path that misbehaves:

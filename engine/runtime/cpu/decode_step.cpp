@@ -3,11 +3,11 @@
 // chunks alike), every Llama layer (RMSNorm with the residual add, the fused q/k/v projection, rope with the KV
 // store, paged attention, the output projection, RMSNorm, gate/up, SiLU-and-multiply, down)
 // and the final norm, with no interpreter between the ops. Each op is the library's own entry
-// point (kernels.cpp, block_kernels.cpp), the same the torch model calls one by one, in the
-// same order on the same buffers: so the step computes exactly what the module-by-module
-// forward computes (engine/runtime/models/llama.py), which stays the reference.
+// point (kvshare_native.h), the same the torch model calls one by one, in the same order on the
+// same buffers: so the step computes exactly what the module-by-module forward computes
+// (engine/runtime/models/llama.py), which stays the reference.
 //
-// fp32 activations, KV caches in fp32, fp16 or bf16 (dims' kv_dtype, kernels.cpp's cache code),
+// fp32 activations, KV caches in fp32, fp16 or bf16 (dims' kv_dtype, a cache dtype code),
 // projections held as GGUF blocks, no biases, no q/k norms:
 // engine/runtime/cpu/decode_step.py checks those before it calls here, and keeps the buffers
 // (preallocated per batch-size bucket) and the per-layer pointer table.
@@ -16,37 +16,10 @@
 #include <cstring>
 #include <vector>
 
-extern "C" {
-int kvshare_block_linear_rows(int format, const float* x, const uint8_t* weight, float* out,
-                              int rows, int in_features, int64_t out_features, int num_threads,
-                              const int32_t* tile_rows);
-int kvshare_block_linear_asking(int format, const float* x, const uint8_t* weight, float* out,
-                                int rows, int in_features, int64_t out_features, int num_threads,
-                                const int32_t* tile_rows, const char* const* starts,
-                                int64_t count, int64_t bytes);
-int kvshare_rms_norm(int dtype, const void* x, const void* weight, void* out, int64_t rows,
-                     int dim, float eps, int num_threads);
-int kvshare_add_rms_norm(int dtype, void* x, const void* delta, const void* weight, void* out,
-                         int64_t rows, int dim, float eps, int num_threads);
-int kvshare_rope_store(int dtype, int cache_dtype, const void* qkv, int64_t row_stride,
-                       const void* cos, const void* sin, const int64_t* slots, void* q_out,
-                       void* k_cache, void* v_cache, int64_t tokens, int heads, int kv_heads,
-                       int head_dim, int64_t num_slots, int num_threads);
-int kvshare_paged_decode_warm(int dtype, int cache_dtype, const void* query, const void* k_cache,
-                              const void* v_cache, const int32_t* block_tables,
-                              const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
-                              int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                              float scale, int num_threads, int warm);
-int kvshare_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int inter,
-                     int num_threads);
-}
-bool kvshare_continues_chunk(const int32_t* block_tables, const int32_t* seq_lens, int64_t row,
-                             int64_t max_blocks);  // kernels.cpp
+#include "kvshare_native.h"
 
+namespace kvshare {
 namespace {
-
-constexpr int kFloat32 = 0;  // kernels.cpp's dtype code
-constexpr int kPanelCode = 100;  // block_kernels.cpp's: formats above it are panels
 
 // The model's shape and the step's, as decode_step.py packs them (int64 each, in this order).
 struct Dims {
@@ -69,7 +42,7 @@ constexpr int kLayerFields = 8;
 constexpr int kLayerFormats = 4;  // qkv, o, gate_up, down
 
 // The step's activations: every buffer [tokens, *] fp32, owned by the caller; tile_rows
-// [tokens]: each row's projection path (block_kernels.cpp, kvshare_block_linear_rows), or null.
+// [tokens]: each row's projection path (kvshare_block_linear_rows), or null.
 struct Buffers {
   float *normed, *qkv, *q, *attn, *delta, *gate_up, *act;
   int32_t* tile_rows;
@@ -116,7 +89,7 @@ int attend_and_project(const Dims& d, const Layer& w, const int32_t* formats, co
 
 // The K and V blocks the next layer's attention will read (`next`'s caches): each sequence's
 // once (a prefill chunk's rows after its first share its blocks), K and V of a block in turn.
-// The MLP asks for them as it computes (block_kernels.cpp's Companion): a decode row's context
+// The MLP asks for them as it computes (block_kernels.h's Companion): a decode row's context
 // otherwise comes from memory in the attention, one sequence's blocks at a time, at a fraction
 // of the bandwidth, while the MLP's arithmetic leaves the bus mostly idle. The next layer's
 // attention then finds them in cache and scores every row in tiles (kernels.cpp, Shape::warm).
@@ -135,7 +108,7 @@ void find_next_blocks(const Dims& d, const Layer& next, const int32_t* block_tab
   const char* v_cache = static_cast<const char*>(next.v_cache);
   for (int64_t r = 0; r < d.tokens; ++r) {
     // A chunk's later rows read the blocks its first row listed.
-    if (kvshare_continues_chunk(block_tables, seq_lens, r, d.max_blocks)) continue;
+    if (continues_chunk(block_tables, seq_lens, r, d.max_blocks)) continue;
     const int32_t* table = block_tables + r * d.max_blocks;
     const int64_t blocks = (seq_lens[r] + d.block_size - 1) / d.block_size;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -171,19 +144,13 @@ void compact_rows(T* rows, int64_t width, const int64_t* keep, int64_t count) {
 }
 
 }  // namespace
+}  // namespace kvshare
+
+// The entry point (kvshare_native.h says what it takes and returns).
+using namespace kvshare;
 
 extern "C" {
 
-// hidden [T, E]: the embedded tokens in, the residual stream out; out [T, E]: the final-normed
-// rows (LlamaForCausalLM.forward's result). buffers: 7 addresses (normed, qkv, q, attn, delta,
-// gate_up, act). tile_rows: null, or [T] each row's projection path (1 AMX tiles, 0 FMAs; see
-// kvshare_block_linear_rows). keep: -1, or the rows whose final-normed row is wanted, strictly
-// increasing (keep_rows of them): the last layer then stores every row's K/V but runs its
-// attention, output projection and MLP on those rows only, and out [keep_rows, E] holds them in
-// that order (each op computes a row alone, so a kept row has the bits it has in the whole step;
-// hidden and block_tables/seq_lens/tile_rows are compacted in place). 0 on success; otherwise
-// the failing op's status (block_linear's 1-2, rope store's + 10, paged decode's + 20), at the
-// layer 100 * (layer + 1) adds; 3: keep not strictly increasing within [0, T).
 int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int32_t* formats,
                           const int64_t* buffers, float* hidden, float* out, const float* cos,
                           const float* sin, const int64_t* slots, int32_t* block_tables,

@@ -4,7 +4,7 @@ A Llama-family GGUF names its tensors blk.{i}.attn_q.weight and so on; each maps
 fused parameters (q, k, v rows stack into qkv_proj, gate and up into gate_up_proj). llama.cpp's
 converter reorders the rows of q and k within each head for its rope layout; the HF layout is
 restored here by moving whole rows, which leaves every block intact. Tensors in a format
-block_kernels.cpp has no kernel for, or fused parts of different formats, are left out: the
+the block kernels have no kernel for, or fused parts of different formats, are left out: the
 caller keeps those layers on the dequantized weights and says so in the log.
 """
 

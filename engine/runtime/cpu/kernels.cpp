@@ -6,7 +6,7 @@
 //
 // Built on first use by engine/runtime/cpu/native.py (g++ -O3 -fopenmp, -march=native or a forced
 // lower level: x86-64-v3 for AVX2, x86-64-v2 for SSE4.2) and called through ctypes with raw
-// pointers to contiguous tensors.
+// pointers to contiguous tensors; kvshare_native.h declares the entry points.
 //
 // Decode attention.
 // Shapes (the attention interface's axes):
@@ -20,73 +20,26 @@
 // serves every level: one AVX-512 register, or two AVX2 (x86-64-v3) or four SSE (x86-64-v2)
 // registers. D must be a multiple of 16.
 
+#include <omp.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
-#include <omp.h>
+#include "kvshare_native.h"
+#include "vectors.h"
 
-#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
+namespace kvshare {
 
-// Whether row `row` of a paged-attention call (block_tables [rows, max_blocks], seq_lens [rows])
-// is the next position of the row before in the same sequence: a prefill chunk's rows after its
-// first, whose context the row before has just read into cache. decode_step.cpp asks it too.
-bool kvshare_continues_chunk(const int32_t* block_tables, const int32_t* seq_lens, int64_t row,
-                             int64_t max_blocks) {
+bool continues_chunk(const int32_t* block_tables, const int32_t* seq_lens, int64_t row,
+                     int64_t max_blocks) {
   return row > 0 && seq_lens[row] == seq_lens[row - 1] + 1 &&
          block_tables[row * max_blocks] == block_tables[(row - 1) * max_blocks];
 }
 
 namespace {
-
-#include "vectors.h"
-
-#if defined(__AVX512F__)  // bf16 rows as one vector: AVX-512 widens and narrows it in registers
-typedef uint16_t vbf16 __attribute__((vector_size(kLanes * 2)));
-#endif
-using bf16 = uint16_t;
-// fp16 is a KV cache type only (EngineConfig.kv_cache_dtype), converted by vectors.h's
-// halves() / store_halves().
-using f16 = _Float16;
-
-inline vfloat load(const bf16* p) {
-  // bf16 is the top half of an fp32: widen and shift.
-#if defined(__AVX512F__)
-  vbf16 raw;
-  std::memcpy(&raw, p, sizeof(raw));
-  return reinterpret_cast<vfloat>(__builtin_convertvector(raw, vuint) << 16);
-#else
-  uint32_t wide[kLanes];
-  for (int i = 0; i < kLanes; ++i) wide[i] = p[i];
-  vuint bits;
-  std::memcpy(&bits, wide, sizeof(bits));
-  return bitcast<vfloat>(bits << 16);
-#endif
-}
-
-inline vfloat load(const f16* p) { return halves(reinterpret_cast<const uint8_t*>(p)); }
-
-inline void store(vfloat v, float* p) { std::memcpy(p, &v, sizeof(v)); }
-
-inline void store(vfloat v, f16* p) { store_halves(v, reinterpret_cast<uint8_t*>(p)); }
-
-inline void store(vfloat v, bf16* p) {
-  // Round to nearest even, as torch does (NaN does not occur in attention outputs).
-  vuint bits = bitcast<vuint>(v);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-#if defined(__AVX512F__)
-  const vbf16 narrowed = __builtin_convertvector(bits >> 16, vbf16);
-  std::memcpy(p, &narrowed, sizeof(narrowed));
-#else
-  uint32_t wide[kLanes];
-  std::memcpy(wide, &bits, sizeof(wide));
-  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<bf16>(wide[i] >> 16);
-#endif
-}
 
 inline void store_one(float x, float* p) { *p = x; }
 
@@ -371,7 +324,7 @@ void paged_decode(const T* query, const C* k_cache, const C* v_cache, const int3
       const int32_t* table = block_tables + b * s.max_blocks;
       // The rows of a prefill chunk after its first see the context the one before read:
       // in cache, no prefetch needed.
-      const bool cold = !kvshare_continues_chunk(block_tables, seq_lens, b, s.max_blocks);
+      const bool cold = !continues_chunk(block_tables, seq_lens, b, s.max_blocks);
       // A whole sequence asks for whole blocks; one head, for its thread's heads of the
       // sequence when it is the first of them (round robin: heads kv_begin + threads, ...).
       const int ask_step = whole ? 1 : (kv_begin < threads ? threads : 0);
@@ -655,39 +608,38 @@ void argmax_rows(const float* x, int64_t rows, int64_t cols, int64_t* out) {
   }
 }
 
-// Calls run(T{}) with T the storage type of a dtype code (0 = float32, 1 = bfloat16) and
-// returns its status; 1 for an unknown code.
+// Calls run(T{}) with T the storage type of a dtype code (kFloat32, kBfloat16) and returns its
+// status; 1 for an unknown code.
 template <typename Run>
 int with_dtype(int dtype, Run&& run) {
-  if (dtype == 0) return run(float{});
-  if (dtype == 1) return run(bf16{});
+  if (dtype == kFloat32) return run(float{});
+  if (dtype == kBfloat16) return run(bf16{});
   return 1;
 }
 
 // Calls run(T{}, C{}) with T the activations' type and C the KV cache's: the cache as the
-// activations (cache_dtype == dtype), or a float32 model over a bfloat16 (1) or float16 (2)
-// cache. 1 for any other pair.
+// activations (cache_dtype == dtype), or a float32 model over a bfloat16 or float16 cache. 1 for
+// any other pair.
 template <typename Run>
 int with_cache_dtype(int dtype, int cache_dtype, Run&& run) {
   if (dtype == cache_dtype) return with_dtype(dtype, [&](auto tag) { return run(tag, tag); });
-  if (dtype == 0 && cache_dtype == 1) return run(float{}, bf16{});
-  if (dtype == 0 && cache_dtype == 2) return run(float{}, f16{});
+  if (dtype == kFloat32 && cache_dtype == kBfloat16) return run(float{}, bf16{});
+  if (dtype == kFloat32 && cache_dtype == kFloat16) return run(float{}, f16{});
   return 1;
 }
 
 }  // namespace
+}  // namespace kvshare
+
+// The entry points (kvshare_native.h says what each takes and returns).
+using namespace kvshare;
 
 extern "C" {
 
-// Shapes this build handles (the caller falls back to the torch path for others).
 int kvshare_supports_shape(int head_dim, int group) {
   return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= 8;
 }
 
-// Every entry point takes a dtype code (0 = float32, 1 = bfloat16) and returns 0 on success,
-// 1 for an unknown dtype; paged decode also 2 for a shape kvshare_supports_shape() refuses.
-// Paged decode and rope-store also take the KV cache's code (2 = float16 besides those two):
-// see with_cache_dtype for the pairs.
 int kvshare_paged_decode_warm(int dtype, int cache_dtype, const void* query, const void* k_cache,
                               const void* v_cache, const int32_t* block_tables,
                               const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
@@ -713,8 +665,6 @@ int kvshare_paged_decode(int dtype, int cache_dtype, const void* query, const vo
                                    block_size, max_blocks, scale, num_threads, 0);
 }
 
-// Each row's argmax (torch.argmax's answer): x float32 [rows, cols] -> out int64 [rows]. 2 when
-// cols is not in 1 .. 2^24 (indices ride in float lanes).
 int kvshare_argmax(const float* x, int64_t rows, int64_t cols, int64_t* out) {
   if (cols < 1 || cols > (int64_t{1} << 24)) return 2;
   argmax_rows(x, rows, cols, out);

@@ -1,11 +1,19 @@
-"""The native CPU kernel library: kernels.cpp compiled once per machine, loaded with ctypes.
+"""The native CPU kernel library: the C++ sources of engine/runtime/cpu compiled once per machine
+into one library, loaded with ctypes.
 
-engine/runtime/cpu/kernels.cpp holds the paged decode attention of the cpu attention backend
+The sources: kernels.cpp, the paged decode attention of the cpu attention backend
 (engine/runtime/attention/cpu_native.py) and the Llama block's fused RMSNorm (alone or after the
 residual add), SiLU-and-mul, rope (alone or with the KV store) and few-row LM head
-(engine/runtime/cpu/fused.py). It is compiled on first use with the system C++ compiler
-(OpenMP) into a build dir (kernels/ in the kvshare cache dir), keyed by a hash of the source,
-the flags and the compiler, then loaded with ctypes.
+(engine/runtime/cpu/fused.py); the linears on GGUF blocks (block_linear.cpp, picking among
+block_tiles.cpp, fma_panels.cpp and amx_panels.cpp; engine/runtime/cpu/block_linear.py);
+greedy_head.cpp, the greedy token without the whole LM head; decode_step.cpp, a step's layer
+stack calling the others (engine/runtime/cpu/decode_step.py). kvshare_native.h declares every
+entry point and the codes they take: each source includes it, and the ctypes bindings and the
+codes here are read from it (read_header), so neither is written twice.
+
+The library is compiled on first use with the system C++ compiler (OpenMP) into a build dir
+(kernels/ in the kvshare cache dir), keyed by a hash of the sources and headers, the flags and
+the compiler, then loaded with ctypes.
 
 The ISA level picks the target (engine/runtime/cpu/capabilities.py says which run here):
 "native" (-march=native, the default; its key also holds this CPU's flags, as its code is only
@@ -27,9 +35,12 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -39,16 +50,16 @@ from engine.runtime.cpu import capabilities
 
 logger = logging.getLogger(__name__)
 
-# kernels.cpp: attention and the fused elementwise ops; block_kernels.cpp: linears on GGUF blocks;
-# decode_step.cpp: a decode step's layer stack calling both.
-SOURCES = tuple(
-    Path(__file__).with_name(name)
-    for name in ("kernels.cpp", "block_kernels.cpp", "decode_step.cpp")
-)
-HEADERS = (Path(__file__).with_name("vectors.h"),)  # included by both: part of the build key
+# Every source of this folder is built into the one library; the headers they include are part
+# of the build key.
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.cpp")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
+INTERFACE_HEADER = Path(__file__).with_name("kvshare_native.h")
 # -Wno-psabi: 64-byte vectors below AVX-512 change a calling convention, but only between the
 # source's own inlined helpers, never across the library's C entry points.
-BASE_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-Wno-psabi")
+# -Werror=missing-declarations: a function other sources can call (an entry point above all)
+# must be declared in a header first, so none is defined without its prototype.
+BASE_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-Wno-psabi", "-Werror=missing-declarations")
 MARCH = {
     "native": "-march=native",
     "avx512": "-march=x86-64-v4",
@@ -59,11 +70,73 @@ MARCH = {
 # -march=native code is valid only on the CPU that compiled it.
 PREBUILT_LEVELS = capabilities.FORCED_LEVELS
 PREBUILT_ENV = "KVSHARE_PREBUILT_KERNELS"
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype argument
+
+
+@dataclass(frozen=True)
+class Prototype:
+    """One entry point as kvshare_native.h declares it, in ctypes' terms."""
+
+    name: str
+    restype: type
+    argtypes: tuple[type, ...]
+
+
+@dataclass(frozen=True)
+class Interface:
+    """What kvshare_native.h declares: its integer constants and its entry points, by name."""
+
+    constants: dict[str, int]
+    prototypes: dict[str, Prototype]
+
+
+# The header's parameter and return types. A pointer of any type is an address (c_void_p): the
+# callers pass a tensor's data_ptr() or None.
+_SCALAR_TYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+_CONSTANT = re.compile(r"constexpr\s+int\s+(k\w+)\s*=\s*(-?\d+)\s*;")
+_PROTOTYPE = re.compile(r"(\w+)\s+(kvshare_\w+)\s*\(([^()]*)\)", re.S)
+_PARAMETER = re.compile(r"(?:const\s+)?(\w+)\s*((?:\*\s*(?:const\b\s*)?)*)\b(\w+)")
+
+
+def read_header(text: str) -> Interface:
+    """The constants and prototypes of a header in kvshare_native.h's forms (its preamble says
+    which). Raises ValueError naming what it cannot read: a header written otherwise fails here,
+    never binds a wrong type."""
+    code = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+    constants = {name: int(value) for name, value in _CONSTANT.findall(code)}
+    if code.count("constexpr") != len(_CONSTANT.findall(code)):
+        raise ValueError("a constexpr in the header is not `constexpr int kName = <integer>;`")
+    blocks = re.findall(r'extern\s+"C"\s*\{([^{}]*)\}', code)
+    if len(blocks) != 1 or code.count('extern "C"') != 1:
+        raise ValueError('the header must hold one extern "C" block of prototypes only')
+    prototypes: dict[str, Prototype] = {}
+    for declaration in filter(None, (part.strip() for part in blocks[0].split(";"))):
+        prototype = _prototype(" ".join(declaration.split()))
+        if prototype.name in prototypes:
+            raise ValueError(f"{prototype.name} is declared twice")
+        prototypes[prototype.name] = prototype
+    return Interface(constants, prototypes)
+
+
+def _prototype(declaration: str) -> Prototype:
+    match = _PROTOTYPE.fullmatch(declaration)
+    if match is None or match.group(1) not in _SCALAR_TYPES:
+        raise ValueError(f"not a prototype returning int, int64_t or float: {declaration!r}")
+    restype, name, parameters = match.groups()
+    argtypes = []
+    for parameter in parameters.split(",") if parameters.strip() not in ("", "void") else ():
+        found = _PARAMETER.fullmatch(parameter.strip())
+        if found is None or not (found.group(2) or found.group(1) in _SCALAR_TYPES):
+            raise ValueError(f"{name}: cannot bind the parameter {parameter.strip()!r}")
+        argtypes.append(ctypes.c_void_p if found.group(2) else _SCALAR_TYPES[found.group(1)])
+    return Prototype(name, _SCALAR_TYPES[restype], tuple(argtypes))
+
+
+INTERFACE = read_header(INTERFACE_HEADER.read_text())
+_CODES = INTERFACE.constants
+DTYPE_CODES = {torch.float32: _CODES["kFloat32"], torch.bfloat16: _CODES["kBfloat16"]}
 # A KV cache's dtype code (paged decode and rope-store take one beside the activations'): the
-# activations' own, or float16 / bfloat16 under float32 activations (kernels.cpp
-# with_cache_dtype).
-CACHE_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# activations' own, or float16 / bfloat16 under float32 activations.
+CACHE_DTYPE_CODES = {**DTYPE_CODES, torch.float16: _CODES["kFloat16"]}
 
 
 def cache_dtype_code(dtype: torch.dtype, cache_dtype: torch.dtype) -> int | None:
@@ -190,7 +263,7 @@ def _build_key(compiler: str, isa: str) -> str:
 def _sources_digest():
     digest = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
-        digest.update(source.read_bytes())
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
     return digest
 
 
@@ -200,14 +273,30 @@ def _compile(compiler: str, isa: str, target: Path, sources: tuple[Path, ...] = 
     # Build aside and rename: concurrent starts never load a half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        paths = [str(source) for source in sources]
-        command = [compiler, *compile_flags(isa), "-shared", "-fPIC", *paths, "-o", str(built)]
-        logger.info("building the native CPU kernels: %s", " ".join(command))
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
+        flags = [*compile_flags(isa), "-fPIC"]
+        logger.info("building the native CPU kernels for %s: %s", isa, " ".join(flags))
+        # One compiler per source, as many at once as there are cores (the largest first: it
+        # takes longest), then one link.
+        objects = [Path(scratch) / f"{source.stem}.o" for source in sources]
+        commands = [
+            [compiler, *flags, "-c", str(source), "-o", str(obj)]
+            for source, obj in sorted(
+                zip(sources, objects, strict=True), key=lambda pair: -pair[0].stat().st_size
+            )
+        ]
+        with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+            results = list(pool.map(_run_compiler, commands))
+        link = [compiler, *flags, "-shared", *map(str, objects), "-o", str(built)]
+        results.append(_run_compiler(link))
+        failed = next((result for result in results if result.returncode != 0), None)
+        if failed is not None:
             names = " ".join(source.name for source in sources)
-            raise NativeBuildError(f"compiling {names} failed:\n{result.stderr[-2000:]}")
+            raise NativeBuildError(f"compiling {names} failed:\n{failed.stderr[-2000:]}")
         built.replace(target)
+
+
+def _run_compiler(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, check=False)
 
 
 def _remove_other_builds(target: Path, *patterns: str) -> None:
@@ -221,43 +310,11 @@ def _remove_other_builds(target: Path, *patterns: str) -> None:
 
 
 def _declare(library: ctypes.CDLL) -> None:
-    int_, ptr = ctypes.c_int, ctypes.c_void_p
-    library.kvshare_paged_decode.restype = int_
-    library.kvshare_paged_decode.argtypes = [
-        int_, int_, *[ptr] * 6, *[int_] * 6, ctypes.c_float, int_
-    ]  # fmt: skip
-    library.kvshare_supports_shape.restype = int_
-    library.kvshare_supports_shape.argtypes = [int_, int_]
-    long_, float_ = ctypes.c_int64, ctypes.c_float
-    library.kvshare_rms_norm.restype = int_
-    library.kvshare_rms_norm.argtypes = [int_, ptr, ptr, ptr, long_, int_, float_, int_]
-    library.kvshare_silu_mul.restype = int_
-    library.kvshare_silu_mul.argtypes = [int_, ptr, ptr, long_, int_, int_]
-    library.kvshare_rope.restype = int_
-    library.kvshare_rope.argtypes = [int_, ptr, long_, ptr, ptr, ptr, long_, int_, int_, int_]
-    library.kvshare_rope_store.restype = int_
-    library.kvshare_rope_store.argtypes = [
-        int_, int_, ptr, long_, ptr, ptr, ptr, ptr, ptr, ptr, long_, int_, int_, int_, long_, int_
-    ]  # fmt: skip
-    library.kvshare_add_rms_norm.restype = int_
-    library.kvshare_add_rms_norm.argtypes = [int_, ptr, ptr, ptr, ptr, long_, int_, float_, int_]
-    library.kvshare_argmax.restype = int_
-    library.kvshare_argmax.argtypes = [ptr, long_, long_, ptr]
-    library.kvshare_gemv.restype = int_
-    library.kvshare_gemv.argtypes = [int_, ptr, ptr, ptr, int_, int_, long_, int_]
-    library.kvshare_block_linear.restype = int_
-    library.kvshare_block_linear.argtypes = [int_, ptr, ptr, ptr, int_, int_, long_, int_]
-    library.kvshare_block_linear_rows.restype = int_
-    library.kvshare_block_linear_rows.argtypes = [int_, ptr, ptr, ptr, int_, int_, long_, int_, ptr]
-    library.kvshare_panel_amx.restype = int_
-    library.kvshare_panel_amx.argtypes = [int_]
-    library.kvshare_block_rows.restype = int_
-    library.kvshare_block_rows.argtypes = [int_, ptr, ptr, ptr, int_, int_]
-    library.kvshare_greedy_head.restype = int_
-    library.kvshare_greedy_head.argtypes = [
-        int_, ptr, ptr, ptr, ptr, int_, int_, long_, int_, ptr
-    ]  # fmt: skip
-    library.kvshare_greedy_head_fast.restype = int_
-    library.kvshare_greedy_head_fast.argtypes = []
-    library.kvshare_decode_layers.restype = int_
-    library.kvshare_decode_layers.argtypes = [*[ptr] * 13, long_, ptr, float_, float_, int_]
+    """Every entry point's ctypes signature, as kvshare_native.h declares it."""
+    for prototype in INTERFACE.prototypes.values():
+        try:
+            function = getattr(library, prototype.name)
+        except AttributeError as exc:
+            raise NativeBuildError(f"{library._name} lacks {prototype.name}: {exc}") from exc
+        function.restype = prototype.restype
+        function.argtypes = list(prototype.argtypes)

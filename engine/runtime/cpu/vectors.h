@@ -8,11 +8,23 @@
 //
 // Kernels use only what both forms offer: arithmetic and bitwise operators (vector with
 // vector or scalar), comparisons giving a vint mask, select(), to_float() / to_int() /
-// bitcast<>(), lane reads v[i], load() / store(), splat() and sum(). Included by kernels.cpp
-// and block_kernels.cpp inside their anonymous namespaces, after <immintrin.h> where
-// __AVX512F__, __AVX2__ or __F16C__ is defined.
+// bitcast<>(), lane reads v[i], load() / store() of each storage type, splat() and sum().
+// Included by every kernel source; kernels live in namespace kvshare with these.
 
-constexpr int kLanes = 16;
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "kvshare_native.h"
+
+namespace kvshare {
+
 typedef float vfloat8 __attribute__((vector_size(32)));
 typedef float vfloat4 __attribute__((vector_size(16)));
 
@@ -229,3 +241,74 @@ inline float sum(vfloat v) {
 #endif
   return (v4[0] + v4[2]) + (v4[1] + v4[3]);
 }
+
+// ---- Loads and stores of the storage types ----
+
+#if defined(__AVX512F__)  // bf16 rows as one vector: AVX-512 widens and narrows it in registers
+typedef uint16_t vbf16 __attribute__((vector_size(kLanes * 2)));
+#endif
+using bf16 = uint16_t;
+// fp16 is a KV cache type only (EngineConfig.kv_cache_dtype), converted by halves() /
+// store_halves().
+using f16 = _Float16;
+
+inline vfloat load(const bf16* p) {
+  // bf16 is the top half of an fp32: widen and shift.
+#if defined(__AVX512F__)
+  vbf16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return reinterpret_cast<vfloat>(__builtin_convertvector(raw, vuint) << 16);
+#else
+  uint32_t wide[kLanes];
+  for (int i = 0; i < kLanes; ++i) wide[i] = p[i];
+  vuint bits;
+  std::memcpy(&bits, wide, sizeof(bits));
+  return bitcast<vfloat>(bits << 16);
+#endif
+}
+
+inline vfloat load(const f16* p) { return halves(reinterpret_cast<const uint8_t*>(p)); }
+
+inline void store(vfloat v, float* p) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void store(vfloat v, f16* p) { store_halves(v, reinterpret_cast<uint8_t*>(p)); }
+
+inline void store(vfloat v, bf16* p) {
+  // Round to nearest even, as torch does (NaN does not occur in attention outputs).
+  vuint bits = bitcast<vuint>(v);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+#if defined(__AVX512F__)
+  const vbf16 narrowed = __builtin_convertvector(bits >> 16, vbf16);
+  std::memcpy(p, &narrowed, sizeof(narrowed));
+#else
+  uint32_t wide[kLanes];
+  std::memcpy(wide, &bits, sizeof(wide));
+  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<bf16>(wide[i] >> 16);
+#endif
+}
+
+// ---- 16 bytes as one vector (the block formats' codes) ----
+
+typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
+
+inline vbyte load_bytes(const uint8_t* p) {
+  vbyte v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// Bytes to floats (vcvtdq2ps after the widening).
+template <typename Byte>
+inline vfloat widen(const Byte* bytes) {
+  return to_float(widen_int(bytes));
+}
+
+inline vfloat to_float(vbyte v) {
+  uint8_t bytes[kLanes];
+  std::memcpy(bytes, &v, sizeof(bytes));
+  return widen(bytes);
+}
+
+inline vfloat to_float_signed(const uint8_t* p) { return widen(reinterpret_cast<const int8_t*>(p)); }
+
+}  // namespace kvshare

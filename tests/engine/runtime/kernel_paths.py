@@ -1,6 +1,6 @@
 """The native kernel paths this CPU runs, for the kernel tests' fixtures: every build level
 (available_isa_levels), and on a CPU with AMX the AVX-512 levels once more with the panel kernels
-on the tiles (the path of prompt tokens there, block_kernels.cpp "Panels on AMX tiles")."""
+on the tiles (the path of prompt tokens there, amx_panels.cpp "Panels on AMX tiles")."""
 
 from __future__ import annotations
 

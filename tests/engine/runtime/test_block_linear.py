@@ -1,4 +1,5 @@
-"""The GGUF block kernels (engine/runtime/cpu/block_kernels.cpp) against F.linear on the weights
+"""The GGUF block kernels (engine/runtime/cpu/block_tiles.cpp, fma_panels.cpp,
+amx_panels.cpp) against F.linear on the weights
 as gguf-py dequantizes them, once per kernel build level this CPU executes (the forced lower
 levels included), on odd shapes, in both layouts (GGUF's rows, and the panels to_panels makes of
 Q4_0, Q4_1 and Q8_0); and batch invariance: a row's output is bit-identical alone and among 3

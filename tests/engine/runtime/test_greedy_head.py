@@ -1,4 +1,4 @@
-"""GreedyHead (engine/runtime/cpu/block_kernels.cpp, greedy_head): each row's greedy token under a
+"""GreedyHead (engine/runtime/cpu/greedy_head.cpp): each row's greedy token under a
 Q8_0 panel head from estimated logits and the few panels that can hold the largest, against
 torch.argmax of the full head's logits (BlockLinear, itself tested against F.linear on the
 dequantized weights), on every kernel build level this CPU runs: the VNNI estimate where the

@@ -1,4 +1,4 @@
-"""The panel kernels on AMX tiles (engine/runtime/cpu/block_kernels.cpp, "Panels on AMX tiles"):
+"""The panel kernels on AMX tiles (engine/runtime/cpu/amx_panels.cpp):
 on for prompt tokens where the CPU has them (KVSHARE_CPU_AMX=0 turns them off) and taken exactly
 where the build and the CPU have them; on such a CPU, the tiles against F.linear on the
 dequantized weights and the FMA path, at row counts that fill no tile, one, and several with a
