@@ -15,8 +15,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from app.errors import APIError
 from engine.core.protocol import CacheDiagnosis
 from engine.tokenizer import ChatTemplateError, Tokenizer
@@ -275,16 +273,6 @@ class RecentPrompts:
                 code="not_found",
             )
         return found.token_ids
-
-
-class DiagnosedResponse(BaseModel):
-    """A response body with `cache_diagnostics` beside `usage` (an extension field)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    @classmethod
-    def of(cls, response: BaseModel, diagnostics: dict[str, Any]) -> DiagnosedResponse:
-        return cls(**response.model_dump(mode="json"), cache_diagnostics=diagnostics)
 
 
 def wants_diagnostics(option: bool | Any | None, server_wide: bool) -> bool:

@@ -3,6 +3,7 @@ models and stream chunks of app/response_models.py, one Formatter per endpoint."
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -70,9 +71,45 @@ class Formatter:
         }
         self.tokenizer = tokenizer
         self.want_logprobs = want_logprobs
+        self._tokens: dict[int, tuple[str, bytes]] = {}  # see _token()
 
-    def response(self, num_choices: int, deltas: list[ChoiceDelta], usage: Usage) -> BaseModel:
+    def response(
+        self, num_choices: int, deltas: list[ChoiceDelta], usage: Usage
+    ) -> ChatCompletionResponse | CompletionResponse:
         raise NotImplementedError
+
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        """A token's text and bytes for logprobs, looked up once per response: its entries
+        name the same tokens over and over, and a dict hit is ten times cheaper."""
+        token = self._tokens.get(token_id)
+        if token is None:
+            token = (self.tokenizer.token_text(token_id), self.tokenizer.token_bytes(token_id))
+            self._tokens[token_id] = token
+        return token
+
+    def _token_text(self, token_id: int) -> str:
+        return self._token(token_id)[0]
+
+    def response_body(
+        self,
+        num_choices: int,
+        deltas: list[ChoiceDelta],
+        usage: Usage,
+        extra: dict[str, Any] | None = None,
+    ) -> bytes:
+        """response() as a JSON body, `extra`'s fields after its own. Blocking: with
+        logprobs, a second or more near max_logprob_entries (serving runs it off the loop).
+
+        Dumped a choice at a time and encoded a part at a time (json_body): model_dump and
+        json.dumps hold the GIL for a whole call, and the event loop waits for the GIL."""
+        response = self.response(num_choices, deltas, usage)
+        choices = [choice.model_dump(mode="json") for choice in response.choices]
+        rest = response.model_dump(mode="json", exclude={"choices"})
+        data = {
+            name: choices if name == "choices" else rest[name]
+            for name in type(response).model_fields
+        }
+        return json_body(data if extra is None else {**data, **extra})
 
     def opening_chunks(self, num_choices: int) -> list[BaseModel]:
         return []
@@ -84,6 +121,11 @@ class Formatter:
         """The stream chunks of one delta (none, one, or several)."""
         chunk = self.chunk(delta)
         return [] if chunk is None else [chunk]
+
+    def has_prompt_logprobs(self, delta: ChoiceDelta) -> bool:
+        """Whether chunks(delta) hold a whole prompt's logprobs (an echo), not only the
+        delta's own tokens: prompt-sized, so worth building off the event loop."""
+        return False
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         raise NotImplementedError
@@ -110,6 +152,36 @@ class Formatter:
             whole.stop_string = delta.stop_string or whole.stop_string
             whole.prompt_logprobs = delta.prompt_logprobs or whole.prompt_logprobs
         return folded
+
+
+# Levels of a response body whose size grows with the request: the body, its choices, a choice
+# and its logprobs; json_body encodes them a part at a time.
+_NUM_SPLIT_LEVELS = 4
+_ITEMS_PER_CALL = 256  # of a long list below them: a token's logprob entry each
+
+
+def json_body(data: dict[str, Any]) -> bytes:
+    """A JSON response body, byte for byte as Starlette's JSONResponse renders one (its keys
+    are strings). Compact JSON is the concatenation of its parts' JSON, so it is encoded a part
+    at a time: json.dumps holds the GIL for a whole call, and the event loop waits for it."""
+    return _encoded(data, _NUM_SPLIT_LEVELS).encode()
+
+
+def _encoded(value: Any, num_levels: int) -> str:
+    if num_levels > 0 and isinstance(value, dict):
+        fields = (f"{_dumps(key)}:{_encoded(item, num_levels - 1)}" for key, item in value.items())
+        return "{" + ",".join(fields) + "}"
+    if num_levels > 0 and isinstance(value, list):
+        return "[" + ",".join(_encoded(item, num_levels - 1) for item in value) + "]"
+    if isinstance(value, list) and len(value) > _ITEMS_PER_CALL:
+        step = _ITEMS_PER_CALL
+        parts = (_dumps(value[i : i + step])[1:-1] for i in range(0, len(value), step))
+        return "[" + ",".join(parts) + "]"
+    return _dumps(value)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 def new_tool_call_id() -> str:
@@ -219,10 +291,8 @@ class ChatFormatter(Formatter):
         return ChatLogprobs(content=[self._token_logprob(lp) for lp in delta.logprobs])
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
-        raw = self.tokenizer.token_bytes(token_id)
-        return TopLogprob(
-            token=self.tokenizer.token_text(token_id), logprob=logprob, bytes=list(raw)
-        )
+        text, raw = self._token(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(raw))
 
     def _token_logprob(self, lp: TokenLogprob) -> ChatTokenLogprob:
         top = [self._top(token_id, logprob) for token_id, logprob in lp.top_logprobs]
@@ -275,6 +345,11 @@ class CompletionFormatter(Formatter):
     def _echo(self, index: int) -> EchoedPrompt | None:
         return self.echo_prompts[index // self.n] if self.echo_prompts is not None else None
 
+    def has_prompt_logprobs(self, delta: ChoiceDelta) -> bool:
+        """A choice's first delta, with echo and logprobs: its echo chunk scores the prompt."""
+        is_echoed = self.echo_prompts is not None and delta.index not in self._echoed
+        return self.want_logprobs and is_echoed
+
     def response(
         self, num_choices: int, deltas: list[ChoiceDelta], usage: Usage
     ) -> CompletionResponse:
@@ -320,7 +395,7 @@ class CompletionFormatter(Formatter):
         """The echoed prompt's logprobs: null for its first token, then the engine's."""
         if not self.want_logprobs or echo is None:
             return None
-        name = self.tokenizer.token_text
+        name = self._token_text
         entries: list[TokenLogprob | None] = [None, *(scored or [])]
         entries += [None] * (len(echo.token_ids) - len(entries))  # none lost if the engine erred
         entries = entries[: len(echo.token_ids)]
@@ -343,7 +418,7 @@ class CompletionFormatter(Formatter):
         the choice's text, echo included."""
         if not self.want_logprobs:
             return None
-        name = self.tokenizer.token_text
+        name = self._token_text
         base = len(echo.text) if echo is not None else 0
         head = prompt_part or CompletionLogprobs(
             tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[]

@@ -4,7 +4,8 @@ Each cap is a `server:` settings key (config/default.yaml); a request over one i
 a ParamError (a 400) naming the field, before anything is tokenized or queued. The ranges that
 never change (temperature 0..2, ...) are declared on the fields in app/request_models.py instead.
 The schema size cap is the engine's own key, max_schema_bytes, checked here too so that the
-400 comes before any schema work and names the field the schema came in.
+400 comes before any schema work and names the field the schema came in; so is max_num_seqs,
+which bounds `n` (a prompt's choices run as one batch).
 """
 
 from __future__ import annotations
@@ -34,15 +35,16 @@ class RequestLimits:
     max_top_logprobs: int
     max_tools: int
     max_schema_bytes: int
+    max_num_seqs: int
 
     @classmethod
-    def of(cls, server: ServerSettings, max_schema_bytes: int | None = None) -> RequestLimits:
-        """The server's caps; max_schema_bytes is the engine's key (its default if None)."""
-        if max_schema_bytes is None:
-            max_schema_bytes = EngineConfig().max_schema_bytes
-        names = [field.name for field in fields(cls) if field.name != "max_schema_bytes"]
+    def of(cls, server: ServerSettings, engine: EngineConfig | None = None) -> RequestLimits:
+        """The server's caps, and the engine's two (its defaults if engine is None)."""
+        engine = engine if engine is not None else EngineConfig()
+        engine_keys = ("max_schema_bytes", "max_num_seqs")
+        names = [field.name for field in fields(cls) if field.name not in engine_keys]
         caps = {name: getattr(server, name) for name in names}  # same names as the settings
-        return cls(**caps, max_schema_bytes=max_schema_bytes)
+        return cls(**caps, **{name: getattr(engine, name) for name in engine_keys})
 
     def check_chat(self, request: ChatCompletionRequest) -> None:
         """ParamError naming the first chat field over its cap."""
@@ -75,6 +77,9 @@ class RequestLimits:
 
     def _check_sampling(self, request: ChatCompletionRequest | CompletionRequest) -> None:
         self._check_value(request.n, self.max_n, "n")
+        if request.n is not None and request.n > self.max_num_seqs:
+            message = f"n is {request.n}; the limit is {self.max_num_seqs} (max_num_seqs)"
+            raise ParamError("n", message)
         self._check_value(request.max_tokens, self.max_output_tokens, "max_tokens")
         stops = request.stop_strings
         _at_most(stops, self.max_stop_strings, "stop", "stop strings")

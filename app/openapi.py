@@ -119,9 +119,7 @@ def install_openapi(app: FastAPI, settings: Settings) -> None:
             )
             declare_errors(document, settings)
             declare_shapes(document)
-            declare_limits(
-                document, RequestLimits.of(settings.server, settings.engine.max_schema_bytes)
-            )
+            declare_limits(document, RequestLimits.of(settings.server, settings.engine))
             app.openapi_schema = document
         return app.openapi_schema
 
@@ -168,7 +166,7 @@ def declare_limits(document: dict[str, Any], limits: RequestLimits) -> None:
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         properties = schemas.get(name, {}).get("properties", {})
         _bound(properties.get("seed"), "integer", maximum=MAX_SEED)  # exact, not 2.0**63
-        _bound(properties.get("n"), "integer", maximum=limits.max_n)
+        _bound(properties.get("n"), "integer", maximum=min(limits.max_n, limits.max_num_seqs))
         _bound(properties.get("max_tokens"), "integer", maximum=limits.max_output_tokens)
         _bound(properties.get("logit_bias"), "object", maxProperties=limits.max_logit_bias_entries)
         _bound(properties.get("stop_token_ids"), "array", maxItems=limits.max_stop_token_ids)

@@ -16,12 +16,12 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
 
 from app.cache_diagnostics import (
-    DiagnosedResponse,
     DiagnosticsContext,
     RecentPrompt,
     RecentPrompts,
@@ -42,10 +42,10 @@ from app.formatting import (
 from app.limits import RequestLimits
 from app.metrics import ServerMetrics
 from app.request_models import ChatCompletionRequest, CompletionRequest
-from app.response_models import ChatCompletionResponse, CompletionResponse, Usage
+from app.response_models import Usage
 from app.responses_chain import chained_prompt
 from app.settings import ServerSettings
-from app.streaming import merge
+from app.streaming import merge, sse_event
 from app.template_check import check_chat_template
 from app.tenant_load import TenantGate, TenantLoads, TenantTicket
 from app.tool_calls import ToolCallMode, ToolCallParser
@@ -653,28 +653,46 @@ class OpenAIServing:
 
     # -- deltas -> responses --------------------------------------------------------------------
 
-    async def complete(
-        self, prepared: Prepared, record: RequestRecord
-    ) -> ChatCompletionResponse | CompletionResponse:
-        """The whole response at once (non-streaming)."""
-        deltas = [delta async for delta in self.run(prepared, record)]
-        response = prepared.formatter.response(prepared.num_choices, deltas, record.usage())
-        diagnostics = self.diagnostics_json(prepared, record)
-        return response if diagnostics is None else DiagnosedResponse.of(response, diagnostics)
+    async def complete(self, prepared: Prepared, record: RequestRecord) -> bytes:
+        """The whole response at once (non-streaming), as a JSON body.
 
-    async def stream(self, prepared: Prepared, record: RequestRecord) -> AsyncIterator[dict]:
-        """Chunks as JSON-ready dicts; the usage chunk last when include_usage is set."""
-        formatter = prepared.formatter
+        Built and encoded in a worker thread: its logprobs (an entry per token and top token,
+        each named by the tokenizer) take a second or more near max_logprob_entries, and the
+        event loop must not wait on them.
+        """
+        deltas = [delta async for delta in self.run(prepared, record)]
+        diagnostics = self.diagnostics_json(prepared, record)
+        extra = None if diagnostics is None else {"cache_diagnostics": diagnostics}
+        build = prepared.formatter.response_body
+        return await anyio.to_thread.run_sync(
+            build, prepared.num_choices, deltas, record.usage(), extra
+        )
+
+    async def stream(self, prepared: Prepared, record: RequestRecord) -> AsyncIterator[bytes]:
+        """The chunks as SSE events; the usage chunk last when include_usage is set. A delta
+        whose chunks hold its prompt's logprobs (an echo) is built in a worker thread."""
+        formatter, include_usage = prepared.formatter, prepared.include_usage
         for chunk in formatter.opening_chunks(prepared.num_choices):
-            yield formatter.dump_chunk(chunk, prepared.include_usage)
+            yield sse_event(formatter.dump_chunk(chunk, include_usage))
         async with aclosing(self.run(prepared, record)) as deltas:
             async for delta in deltas:
-                for chunk in formatter.chunks(delta):
-                    yield formatter.dump_chunk(chunk, prepared.include_usage)
+                encode = partial(_chunk_events, formatter, delta, include_usage)
+                if formatter.has_prompt_logprobs(delta):
+                    events = await anyio.to_thread.run_sync(encode)
+                else:
+                    events = encode()
+                for event in events:
+                    yield event
         diagnostics = self.diagnostics_json(prepared, record)
-        if prepared.include_usage:
+        if include_usage:
             chunk = formatter.dump_chunk(formatter.usage_chunk(record.usage()), True)
-            yield chunk if diagnostics is None else {**chunk, "cache_diagnostics": diagnostics}
+            if diagnostics is not None:
+                chunk["cache_diagnostics"] = diagnostics
+            yield sse_event(chunk)
+
+
+def _chunk_events(formatter: Formatter, delta: ChoiceDelta, include_usage: bool) -> list[bytes]:
+    return [sse_event(formatter.dump_chunk(c, include_usage)) for c in formatter.chunks(delta)]
 
 
 def _is_ids(prompt: object) -> bool:

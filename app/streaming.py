@@ -19,9 +19,8 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 import anyio
-from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app.errors import SERVER_ERROR, APIError, error_body
@@ -48,18 +47,19 @@ def sse_event(data: dict[str, Any], event: str | None = None) -> bytes:
 
 
 async def sse_events(
-    chunks: AsyncIterator[dict], keepalive_seconds: float, stop: asyncio.Event | None = None
+    events: AsyncIterator[bytes], keepalive_seconds: float, stop: asyncio.Event | None = None
 ) -> AsyncIterator[bytes]:
-    """Chunks as SSE events, keep-alive comments while idle, then `data: [DONE]`.
+    """Events (from sse_event(), encoded where they are made: a large one in a worker
+    thread), keep-alive comments while idle, then `data: [DONE]`.
 
     An error after the stream has begun (the 200 is already sent) goes out as one event in
     the OpenAI error shape, {"error": {...}}, followed by [DONE]; so does `stop` being set
     (the server's shutdown grace period is over), which ends the stream at once.
     """
     try:
-        async with aclosing(with_keepalive(chunks, keepalive_seconds, stop)) as items:
-            async for chunk in items:
-                yield KEEPALIVE if chunk is None else sse_event(chunk)
+        async with aclosing(with_keepalive(events, keepalive_seconds, stop)) as items:
+            async for event in items:
+                yield KEEPALIVE if event is None else event
     except APIError as e:
         yield sse_event(e.body())
     except Exception:
@@ -110,10 +110,10 @@ class SSEResponse(StreamingResponse):
 
 
 def sse_response(
-    chunks: AsyncIterator[dict], keepalive_seconds: float, stop: asyncio.Event | None = None
+    events: AsyncIterator[bytes], keepalive_seconds: float, stop: asyncio.Event | None = None
 ) -> StreamingResponse:
-    events = sse_events(chunks, keepalive_seconds, stop)
-    return SSEResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    framed = sse_events(events, keepalive_seconds, stop)
+    return SSEResponse(framed, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def with_keepalive(
@@ -225,14 +225,14 @@ async def cancel_on_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 async def respond(
     request: Request,
     stream: bool,
-    chunks: Callable[[], AsyncIterator[dict]],
-    complete: Callable[[], Awaitable[BaseModel]],
+    chunks: Callable[[], AsyncIterator[bytes]],
+    complete: Callable[[], Awaitable[bytes]],
     keepalive_seconds: float,
     stop: asyncio.Event | None = None,
 ) -> Response:
-    """Answer a generation request as SSE (stream: the `chunks()` events) or as one JSON
-    body (`complete()`); only the one chosen is called. The callables are how the serving
-    layer plugs in: this module imports no app/serving.py.
+    """Answer a generation request as SSE (stream: the `chunks()`, each an sse_event()) or
+    as one JSON body (`complete()`: its bytes); only the one chosen is called. The callables
+    are how the serving layer plugs in: this module imports no app/serving.py.
 
     Either way a client that disconnects cancels the work, which aborts it in the engine;
     a stream also ends when `stop` is set (see sse_events).
@@ -240,7 +240,7 @@ async def respond(
     if stream:
         return sse_response(chunks(), keepalive_seconds, stop)
     try:
-        response = await cancel_on_disconnect(request.receive, complete())
+        body = await cancel_on_disconnect(request.receive, complete())
     except ClientDisconnected:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(response.model_dump(mode="json"))
+    return Response(body, media_type="application/json")

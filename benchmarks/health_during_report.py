@@ -1,14 +1,18 @@
-"""/health's latency while the cache report of a long conversation is computed (issue 55).
+"""/health's latency while one request's large answer is computed (issue 55).
 
-A chat of --messages messages (max_tokens 1) is sent --prompts times, so the tenant's recent
-prompts are long; then /debug/cache_report is requested over and over while /health is probed
-every --interval seconds for --seconds. The report must not stall the event loop: the goal is
-/health p99 <= 100 ms.
+--load report (the default): a chat of --messages messages (max_tokens 1) is sent --prompts
+times, so the tenant's recent prompts are long; then /debug/cache_report is requested over and
+over. --load echo: the largest echo + logprobs completion under the default
+max_logprob_entries (2 prompts of 780 token ids, n 32, logprobs 20, max_tokens 0: 1,048,320
+entries) is sent over and over. Meanwhile /health is probed every --interval seconds for
+--seconds, and on until the last request has its answer. Neither may stall the event loop: the
+goal is /health p99 <= 100 ms, and no probe waiting 1 s (a stall is one probe, however long).
 
     python benchmarks/health_during_report.py                  # a fresh server of this tree
+    python benchmarks/health_during_report.py --load echo --seconds 0
     python benchmarks/health_during_report.py --url http://127.0.0.1:8000
 
-Prints the /health latencies (p50, p99, max) and the reports computed meanwhile.
+Prints the /health latencies (p50, p99, max) and the requests answered meanwhile.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -25,6 +30,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 GOAL_P99_S = 0.1
+GOAL_MAX_S = 1.0
 
 
 def conversation(num_messages: int, number: int) -> list[dict]:
@@ -43,36 +49,53 @@ def fill_history(url: str, num_prompts: int, num_messages: int) -> None:
         httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
 
 
-def measure(url: str, seconds: float, interval: float) -> tuple[list[float], int]:
-    """/health latencies while a thread requests the cache report back to back."""
-    stop = threading.Event()
-    num_reports = 0
+def echo_body(model: str) -> dict:
+    """The largest echo + logprobs request: 2 x 32 choices x 780 tokens x (20 + 1) entries."""
+    prompt = list(range(1000, 1780))
+    return {
+        "model": model,
+        "prompt": [prompt, prompt],
+        "n": 32,  # config/cpu.yaml's max_num_seqs
+        "echo": True,
+        "logprobs": 20,
+        "max_tokens": 0,
+    }
 
-    def reports() -> None:
-        nonlocal num_reports
-        with httpx.Client(timeout=120) as client:
-            while not stop.is_set():
-                client.get(f"{url}/debug/cache_report").raise_for_status()
-                num_reports += 1
 
-    worker = threading.Thread(target=reports)
+def measure(
+    url: str, seconds: float, interval: float, send: Callable[[httpx.Client], None]
+) -> tuple[list[float], int]:
+    """/health latencies while a thread calls send() back to back for `seconds` (at least
+    once), probed until its last call returns."""
+    num_sent = 0
+    deadline = time.monotonic() + seconds
+
+    def load() -> None:
+        nonlocal num_sent
+        with httpx.Client(timeout=600) as client:
+            while True:
+                send(client)
+                num_sent += 1
+                if time.monotonic() >= deadline:
+                    return
+
+    worker = threading.Thread(target=load)
     worker.start()
     latencies = []
-    deadline = time.monotonic() + seconds
-    with httpx.Client(timeout=10) as client:
-        while time.monotonic() < deadline:
+    with httpx.Client(timeout=60) as client:
+        while worker.is_alive():
             start = time.perf_counter()
             client.get(f"{url}/health").raise_for_status()
             latencies.append(time.perf_counter() - start)
             time.sleep(interval)
-    stop.set()
     worker.join()
-    return latencies, num_reports
+    return latencies, num_sent
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server (else one of this tree is started)")
+    parser.add_argument("--load", choices=("report", "echo"), default="report")
     parser.add_argument("--messages", type=int, default=401)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=20.0)
@@ -87,17 +110,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(args, url: str) -> int:
-    fill_history(url, args.prompts, args.messages)
-    latencies, num_reports = measure(url, args.seconds, args.interval)
-    p99 = statistics.quantiles(latencies, n=100)[98]
+    if args.load == "echo":
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        body = echo_body(model)
+
+        def send(client: httpx.Client) -> None:
+            client.post(f"{url}/v1/completions", json=body).raise_for_status()
+
+        what = "max-size echo + logprobs completions"
+    else:
+        fill_history(url, args.prompts, args.messages)
+
+        def send(client: httpx.Client) -> None:
+            client.get(f"{url}/debug/cache_report").raise_for_status()
+
+        what = f"reports of {args.prompts} prompts x {args.messages} messages"
+    start = time.monotonic()
+    latencies, num_sent = measure(url, args.seconds, args.interval, send)
+    p99, slowest = statistics.quantiles(latencies, n=100)[98], max(latencies)
+    is_met = p99 <= GOAL_P99_S and slowest <= GOAL_MAX_S
     print(
-        f"/health over {args.seconds:g} s ({len(latencies)} probes, {num_reports} reports of "
-        f"{args.prompts} prompts x {args.messages} messages): p50 "
-        f"{1000 * statistics.median(latencies):.1f} ms, p99 {1000 * p99:.1f} ms, max "
-        f"{1000 * max(latencies):.1f} ms; goal p99 <= {1000 * GOAL_P99_S:.0f} ms: "
-        f"{'met' if p99 <= GOAL_P99_S else 'MISSED'}"
+        f"/health over {time.monotonic() - start:.1f} s ({len(latencies)} probes, {num_sent} "
+        f"{what}): p50 {1000 * statistics.median(latencies):.1f} ms, p99 {1000 * p99:.1f} ms, "
+        f"max {1000 * slowest:.1f} ms; goal p99 <= {1000 * GOAL_P99_S:.0f} ms, max <= "
+        f"{1000 * GOAL_MAX_S:.0f} ms: {'met' if is_met else 'MISSED'}"
     )
-    return 0 if p99 <= GOAL_P99_S else 1
+    return 0 if is_met else 1
 
 
 if __name__ == "__main__":

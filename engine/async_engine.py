@@ -175,7 +175,7 @@ class AsyncEngine:
             raise EngineNotReady("the model is not loaded yet")
         cache = self._engine.grammar_cache
         params, namespace = request.sampling_params, request.cache_salt
-        return await asyncio.to_thread(cache.compile_for, params, namespace)
+        return await asyncio.to_thread(cache.compile_for, params, namespace, request.tenant)
 
     async def abort(self, request_id: str, choice_index: int | None = None) -> None:
         self._commands.put(_Abort(request_id, choice_index))

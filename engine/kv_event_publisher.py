@@ -12,6 +12,12 @@ NVIDIA Dynamo's ZMQ relay and llm-d's kv-cache indexer):
   socket   PUB, bound at kv_events_endpoint (e.g. tcp://127.0.0.1:5557 or tcp://*:5557);
            subscribers connect and subscribe to the topic. kvshare always binds (vLLM binds
            only wildcard / ipc / inproc endpoints). There is no replay socket.
+  access   with kv_events_curve_secret_key_file and kv_events_curve_clients_dir set, the
+           socket is a CURVE server: a ZAP handler on the publisher's context admits only the
+           subscribers whose public certificates lie in the clients directory (read at start),
+           and the events are encrypted. Without them, the frames below travel in plain text
+           (engine/core/config.py refuses that on an endpoint reachable beyond the host
+           unless kv_events_allow_plaintext is set).
   message  multipart [topic (UTF-8 bytes), seq (8 bytes, big-endian unsigned), payload]
            seq counts batches from 0 per publisher. It is taken when a batch is queued, so a
            batch dropped on a full queue shows as a gap in seq.
@@ -39,10 +45,15 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from engine.core.errors import ParamError
 from engine.kv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -79,6 +90,49 @@ def encode_batch(ts: float, events: list[KVEvent], data_parallel_rank: int | Non
     return msgpack.packb([ts, [event_to_wire(e) for e in events], data_parallel_rank])
 
 
+@dataclass(frozen=True)
+class CurveServerKeys:
+    """The PUB socket's CURVE key pair (Z85 text) and where its admitted clients' keys lie."""
+
+    public_key: bytes
+    secret_key: bytes
+    clients_dir: str
+
+
+def load_curve_server_keys(secret_key_file: str, clients_dir: str) -> CurveServerKeys:
+    """Read the server's certificate and check the clients directory; a bad one raises
+    ParamError naming its config key, at startup rather than on a subscriber's first try."""
+    clients_path = Path(clients_dir).expanduser()
+    try:
+        public_key, secret_key = zmq.auth.load_certificate(Path(secret_key_file).expanduser())
+    except (OSError, ValueError) as exc:
+        message = f"cannot read the certificate {secret_key_file}: {exc}"
+        raise ParamError("kv_events_curve_secret_key_file", message) from exc
+    if secret_key is None or not (_is_curve_key(public_key) and _is_curve_key(secret_key)):
+        message = (
+            f"{secret_key_file} holds no CURVE key pair: give the .key_secret file "
+            "that zmq.auth.create_certificates writes"
+        )
+        raise ParamError("kv_events_curve_secret_key_file", message)
+    try:
+        num_clients = len(zmq.auth.load_certificates(clients_path))
+    except (OSError, ValueError) as exc:
+        message = f"cannot read the certificates in {clients_dir}: {exc}"
+        raise ParamError("kv_events_curve_clients_dir", message) from exc
+    if num_clients == 0:
+        message = f"{clients_dir} holds no public certificate (*.key): no subscriber could connect"
+        raise ParamError("kv_events_curve_clients_dir", message)
+    logger.info("KV events are encrypted (CURVE) for %d subscriber keys", num_clients)
+    return CurveServerKeys(public_key, secret_key, str(clients_path))
+
+
+def _is_curve_key(key: bytes) -> bool:
+    try:
+        return len(z85.decode(key)) == 32
+    except (ValueError, KeyError):
+        return False
+
+
 class KVEventPublisher:
     """A PUB socket and the thread that feeds it from a bounded queue of event batches.
 
@@ -86,10 +140,21 @@ class KVEventPublisher:
     has sent what is queued. num_published_events (written by the publisher thread) and
     num_dropped_events (by the engine thread) only grow; reading them from another thread is
     safe (a plain int).
+
+    With curve_secret_key_file and curve_clients_dir (both or neither), the socket is a CURVE
+    server that admits only the clients whose certificates lie in that directory.
     """
 
-    def __init__(self, endpoint: str, topic: str = "kvshare", queue_size: int = 10_000) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str = "kvshare",
+        queue_size: int = 10_000,
+        curve_secret_key_file: str | None = None,
+        curve_clients_dir: str | None = None,
+    ) -> None:
         self.endpoint = endpoint
+        self._curve = self._load_curve(curve_secret_key_file, curve_clients_dir)
         self._topic = topic.encode("utf-8")
         self._queue: queue.Queue[tuple[int, float, list[KVEvent]] | None] = queue.Queue(
             maxsize=queue_size
@@ -103,6 +168,15 @@ class KVEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kvshare-kv-events", daemon=True)
         self._thread.start()
         self._wait_bound()
+
+    @staticmethod
+    def _load_curve(secret_key_file: str | None, clients_dir: str | None) -> CurveServerKeys | None:
+        if bool(secret_key_file) != bool(clients_dir):
+            missing = "curve_clients_dir" if secret_key_file else "curve_secret_key_file"
+            raise ParamError(f"kv_events_{missing}", f"kv_events_{missing} must be set too")
+        if not secret_key_file or not clients_dir:
+            return None
+        return load_curve_server_keys(secret_key_file, clients_dir)
 
     def _wait_bound(self) -> None:
         """The thread binds the socket (it owns it); a bad endpoint fails here, at startup."""
@@ -137,20 +211,22 @@ class KVEventPublisher:
     def _run(self) -> None:
         context = zmq.Context()
         socket = context.socket(zmq.PUB)
+        authenticator = None
         try:
+            if self._curve is not None:  # the ZAP handler must run before the first connect
+                authenticator = _start_authenticator(context, self._curve)
+                _make_curve_server(socket, self._curve)
             socket.bind(self.endpoint)
         except zmq.ZMQError as exc:
             self._start_error = exc
-            socket.close(linger=0)
-            context.term()
+            _close(context, socket, authenticator, linger_ms=0)
             self._started.set()
             return
         self._started.set()
         try:
             self._send_until_closed(socket)
         finally:
-            socket.close(linger=_LINGER_MS)
-            context.term()
+            _close(context, socket, authenticator, linger_ms=_LINGER_MS)
 
     def _send_until_closed(self, socket: zmq.Socket) -> None:
         while not self._stop:
@@ -168,3 +244,29 @@ class KVEventPublisher:
                 logger.exception("failed to publish KV event batch %d", seq)
                 continue
             self.num_published_events += len(events)
+
+
+def _start_authenticator(context: zmq.Context, curve: CurveServerKeys) -> ThreadAuthenticator:
+    """A ZAP handler on `context` that admits only the clients in curve.clients_dir."""
+    authenticator = ThreadAuthenticator(context, log=logger.getChild("zap"))
+    authenticator.start()
+    authenticator.configure_curve(domain="*", location=curve.clients_dir)
+    return authenticator
+
+
+def _make_curve_server(socket: zmq.Socket, curve: CurveServerKeys) -> None:
+    socket.curve_secretkey = curve.secret_key
+    socket.curve_publickey = curve.public_key
+    socket.curve_server = True
+
+
+def _close(
+    context: zmq.Context,
+    socket: zmq.Socket,
+    authenticator: ThreadAuthenticator | None,
+    linger_ms: int,
+) -> None:
+    socket.close(linger=linger_ms)
+    if authenticator is not None:
+        authenticator.stop()
+    context.term()

@@ -101,6 +101,8 @@ class LLMEngine:
             self.config.kv_events_endpoint,
             topic=self.config.kv_events_topic,
             queue_size=self.config.kv_events_queue_size,
+            curve_secret_key_file=self.config.kv_events_curve_secret_key_file,
+            curve_clients_dir=self.config.kv_events_curve_clients_dir,
         )
         logger.info("publishing KV events on %s", publisher.endpoint)
         return publisher
@@ -164,7 +166,9 @@ class LLMEngine:
             validate_request(request, self.model_info)
         structured = request.sampling_params.structured
         if structured is not None and grammar is None:
-            grammar = self.grammar_cache.compile_for(request.sampling_params, request.cache_salt)
+            grammar = self.grammar_cache.compile_for(
+                request.sampling_params, request.cache_salt, request.tenant
+            )
         self.scheduler.add_request(request)
         if structured is not None:
             # Release finished requests first: this id may be a finished one's, not yet dropped.
@@ -285,7 +289,9 @@ class LLMEngine:
         for request in requests:  # all of them first: a bad prompt queues nothing
             validate_request(request, self.model_info)
         grammars = [
-            self.grammar_cache.compile_for(request.sampling_params, request.cache_salt)
+            self.grammar_cache.compile_for(
+                request.sampling_params, request.cache_salt, request.tenant
+            )
             for request in requests
         ]
         results = {}

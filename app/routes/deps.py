@@ -75,7 +75,7 @@ class ServerState:
             return
         name = self.settings.server.served_model_name or info.name
         model = ServedModel(name=name, info=info, tokenizer=tokenizer)
-        limits = RequestLimits.of(self.settings.server, self.settings.engine.max_schema_bytes)
+        limits = RequestLimits.of(self.settings.server, self.settings.engine)
         self.serving = OpenAIServing(
             self.engine, model, self.settings.server, self.metrics, limits=limits
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,24 @@ CHOICES: dict[str, tuple[object, ...]] = {
     "block_size": BLOCK_SIZES,
     "quantization": QUANTIZATIONS,
 }
+
+
+def is_host_local_endpoint(endpoint: str) -> bool:
+    """Whether only this host can reach a ZMQ endpoint: ipc:// and inproc://, or tcp:// and
+    ws:// on a loopback address (127.0.0.0/8, ::1, localhost, the interface lo). A wildcard
+    (*, 0.0.0.0, ::), another address, name or interface, or another transport is not."""
+    transport, _, address = endpoint.partition("://")
+    if transport in ("ipc", "inproc"):
+        return True
+    if transport not in ("tcp", "ws"):
+        return False
+    host = address.rsplit(":", 1)[0].removeprefix("[").removesuffix("]")
+    if host in ("localhost", "lo"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a wildcard, a name or an interface
+        return False
 
 
 def _one_of(names: tuple[object, ...]) -> str:
@@ -99,6 +118,14 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_topic: str = "kvshare"  # the first frame of every message
     kv_events_queue_size: int = 10_000  # event batches (steps) queued for the publisher thread
+    # CURVE (set both or neither): the server's certificate with its secret key (a .key_secret
+    # file from zmq.auth.create_certificates) and a directory of the public certificates
+    # (.key files) of the subscribers it admits; events are encrypted on the wire.
+    kv_events_curve_secret_key_file: str | None = None
+    kv_events_curve_clients_dir: str | None = None
+    # The events carry every tenant's token ids: an endpoint reachable beyond this host needs
+    # CURVE unless this opt-out is set (for routers that cannot speak CURVE).
+    kv_events_allow_plaintext: bool = False
     # Structured output (engine/runtime/grammar.py): a response_format is compiled into a
     # grammar off the engine thread; slower or larger schemas fail only their request.
     grammar_compile_timeout_seconds: float = 10.0
@@ -180,6 +207,7 @@ class EngineConfig:
                 "must be a ZMQ endpoint such as tcp://127.0.0.1:5557",
             ),
             (self.kv_events_queue_size >= 1, "kv_events_queue_size", "must be >= 1"),
+            *self._kv_events_access_checks(),
             (
                 self.grammar_compile_timeout_seconds > 0.0,
                 "grammar_compile_timeout_seconds",
@@ -203,6 +231,43 @@ class EngineConfig:
         for ok, name, rule in checks:
             if not ok:
                 raise ParamError(name, f"{name} {rule}, got {getattr(self, name)!r}")
+
+    def _kv_events_access_checks(self) -> list[tuple[bool, str, str]]:
+        secret_key_file = self.kv_events_curve_secret_key_file
+        clients_dir = self.kv_events_curve_clients_dir
+        return [
+            (
+                bool(clients_dir) or not secret_key_file,
+                "kv_events_curve_clients_dir",
+                "must be set with kv_events_curve_secret_key_file (CURVE needs both)",
+            ),
+            (
+                bool(secret_key_file) or not clients_dir,
+                "kv_events_curve_secret_key_file",
+                "must be set with kv_events_curve_clients_dir (CURVE needs both)",
+            ),
+            (
+                not secret_key_file or Path(secret_key_file).expanduser().is_file(),
+                "kv_events_curve_secret_key_file",
+                "must be a certificate file (the .key_secret of zmq.auth.create_certificates)",
+            ),
+            (
+                not clients_dir or Path(clients_dir).expanduser().is_dir(),
+                "kv_events_curve_clients_dir",
+                "must be a directory of the subscribers' public certificates (.key files)",
+            ),
+            (
+                not self.kv_events_endpoint
+                or is_host_local_endpoint(self.kv_events_endpoint)
+                or bool(secret_key_file and clients_dir)
+                or self.kv_events_allow_plaintext,
+                "kv_events_endpoint",
+                "is reachable beyond this host and the events carry every tenant's token ids: "
+                "set kv_events_curve_secret_key_file and kv_events_curve_clients_dir (CURVE), "
+                "bind a loopback or ipc:// endpoint (tcp://127.0.0.1:5557), or set "
+                "kv_events_allow_plaintext: true to publish in plain text knowingly",
+            ),
+        ]
 
     def kv_dtype_name(self, model_dtype: str) -> str:
         """The KV pool's torch dtype name for a model in model_dtype (kv_cache_dtype resolved:

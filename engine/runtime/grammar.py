@@ -4,14 +4,15 @@ bounded in time and size, cached) and the per-choice matchers whose masks the sa
 Two owners, two threads:
 
 - GrammarCache (thread-safe): StructuredOutput -> xgrammar CompiledGrammar. Compiles run in
-  a small worker pool and are awaited with a time limit; a bad schema, a failure or a
-  time-out raises ParamError("response_format") for that request only. AsyncEngine calls
-  compile_for() from a worker thread before it queues a request, so the engine thread never
-  compiles; LLMEngine.add_request (the offline edge) calls it synchronously. Identical
-  constraints share one compile (the cache holds futures, in flight or done) and a cache
-  hit costs a dict look-up. Entries are kept per cache namespace (the request's cache_salt:
-  tenant and salt), so one tenant's compile is never another's hit: neither the time a hit
-  saves nor the hit counter tells a tenant whether anyone else used a schema.
+  killable child processes, two at once and one per tenant (grammar_compiles.py), and are
+  awaited with a time limit; a bad schema, a failure or a time-out raises
+  ParamError("response_format") for that request only. AsyncEngine calls compile_for() from
+  a worker thread before it queues a request, so the engine thread never compiles;
+  LLMEngine.add_request (the offline edge) calls it synchronously. Identical constraints
+  share one compile (the cache holds futures, in flight or done) and a cache hit costs a
+  dict look-up. Entries are kept per cache namespace (the request's cache_salt: tenant and
+  salt), so one tenant's compile is never another's hit: neither the time a hit saves nor
+  the hit counter tells a tenant whether anyone else used a schema.
 - GrammarMatchers (engine thread only): request id -> its compiled grammar and one
   GrammarMatcher per choice, keyed (request_id, choice_index) as SampleSpec.grammar_keys
   names them. A matcher is never reset or replayed: it remembers how many output tokens it
@@ -34,7 +35,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
@@ -45,10 +46,17 @@ from engine.core.config import EngineConfig
 from engine.core.errors import ParamError
 from engine.core.protocol import ModelInfo
 from engine.core.sampling_params import STRUCTURED_KINDS, SamplingParams, StructuredOutput
+from engine.runtime.grammar_compiles import (
+    Compiled,
+    CompileFailed,
+    CompileTimeout,
+    GrammarCompiles,
+    shared_compiles,
+)
 
 logger = logging.getLogger(__name__)
 
-_COMPILE_WORKERS = 2  # compiles at once; more wait in the pool's queue (their time counts)
+_GRACE_S = 1.0  # past a compile's limit, how long a waiter lets the host report the kill
 _ANY_JSON_OBJECT = '{"type":"object"}'
 
 GrammarKey = tuple[str, int]  # (request_id, choice_index)
@@ -72,40 +80,49 @@ def check_structured_params(params: SamplingParams) -> None:
 
 
 class GrammarCache:
-    """StructuredOutput -> CompiledGrammar, compiled in worker threads, LRU-bounded.
+    """StructuredOutput -> CompiledGrammar, compiled in killable children, LRU-bounded.
 
     Thread-safe: any thread may call compile_for(); the engine thread reads the counters
     (num_cache_hits, num_compile_failures, drain_compile_seconds()) for its snapshot. The
-    xgrammar compiler (and the tokenizer it needs) is built on first use, in the calling
-    thread, outside the compile time limit.
+    tokenizer's xgrammar view is built on first use, in the calling thread, outside the
+    compile time limit, and so is the compile host if it is not running yet.
     """
 
-    def __init__(self, model_info: ModelInfo, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        model_info: ModelInfo,
+        config: EngineConfig,
+        compiles: GrammarCompiles | None = None,
+    ) -> None:
         self.model_info = model_info
         self.timeout_s = config.grammar_compile_timeout_seconds
         self.max_schema_bytes = config.max_schema_bytes
         self.max_entries = config.grammar_cache_size
+        self._compiles = compiles if compiles is not None else shared_compiles()
         self._lock = threading.Lock()
-        self._compiler: xgr.GrammarCompiler | None = None
-        self._entries: OrderedDict[_Key, Future[xgr.CompiledGrammar]] = OrderedDict()
-        self._executor = ThreadPoolExecutor(_COMPILE_WORKERS, thread_name_prefix="kvshare-grammar")
+        self._tokenizer_id: int | None = None
+        self._entries: OrderedDict[_Key, Future[Compiled]] = OrderedDict()
         self.num_cache_hits = 0
         self.num_compile_failures = 0  # grammar errors and time-outs
         self._compile_seconds: list[float] = []
 
     def compile_for(
-        self, params: SamplingParams, namespace: str | None = None
+        self, params: SamplingParams, namespace: str | None = None, tenant: str | None = None
     ) -> xgr.CompiledGrammar | None:
         """The compiled grammar of params.structured (None without one) for the cache
-        namespace `namespace` (a request's cache_salt); blocks up to the time limit. Raises
-        ParamError naming the field for anything this request cannot get."""
+        namespace `namespace` (a request's cache_salt), compiled in `tenant`'s turn; blocks
+        up to the time limit. Raises ParamError naming the field for anything this request
+        cannot get."""
         check_structured_params(params)
         if params.structured is None:
             return None
-        return self.compile(params.structured, namespace)
+        return self.compile(params.structured, namespace, tenant)
 
     def compile(
-        self, structured: StructuredOutput, namespace: str | None = None
+        self,
+        structured: StructuredOutput,
+        namespace: str | None = None,
+        tenant: str | None = None,
     ) -> xgr.CompiledGrammar:
         schema = structured.schema if structured.schema is not None else _ANY_JSON_OBJECT
         num_bytes = len(schema.encode())
@@ -116,20 +133,21 @@ class GrammarCache:
                 f"{where} schema is {num_bytes} bytes; the limit is "
                 f"{self.max_schema_bytes} (max_schema_bytes)",
             )
-        compiler = self._get_compiler()
-        future = self._future((namespace, structured), compiler)
+        tokenizer_id = self._get_tokenizer_id()
+        deadline = time.monotonic() + self.timeout_s
+        future = self._future((namespace, structured), tokenizer_id, tenant)
         try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
+            compiled, _ = future.result(timeout=deadline - time.monotonic() + _GRACE_S)
+            return compiled
+        except (FutureTimeout, CompileTimeout):
+            self._compiles.give_up(future)
             self._count_failure()
             raise ParamError(
                 where,
                 f"compiling {where} into a grammar took longer than {self.timeout_s:g} s "
                 "(grammar_compile_timeout_seconds); simplify the schema",
             ) from None
-        except ParamError:
-            raise
-        except Exception as exc:  # xgrammar's error for a schema it cannot compile
+        except CompileFailed as exc:  # xgrammar's error for a schema it cannot compile
             self._count_failure()
             message = f"{where} cannot be compiled into a grammar: {compile_error_text(exc)}"
             raise ParamError(where, message) from exc
@@ -141,53 +159,49 @@ class GrammarCache:
         return seconds
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            tokenizer_id, self._tokenizer_id = self._tokenizer_id, None
+        if tokenizer_id is not None:
+            self._compiles.forget(tokenizer_id)
 
     # -- internals ---------------------------------------------------------------------
-    def _future(self, key: _Key, compiler: xgr.GrammarCompiler) -> Future[xgr.CompiledGrammar]:
+    def _future(self, key: _Key, tokenizer_id: int, tenant: str | None) -> Future[Compiled]:
         """The cached (or in-flight) compile of key's constraint in key's namespace, else a
-        newly submitted one."""
+        newly submitted one (submitted outside the lock: a future's callbacks take it)."""
         with self._lock:
             future = self._entries.get(key)
             if future is not None:
                 self._entries.move_to_end(key)
                 self.num_cache_hits += 1
                 return future
-            future = self._executor.submit(self._run_compile, compiler, key[1])
-            self._entries[key] = future
+        kind, text = grammar_source(key[1])
+        submitted = self._compiles.submit(tokenizer_id, tenant, kind, text, self.timeout_s)
+        with self._lock:
+            future = self._entries.setdefault(key, submitted)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)  # the least recently used
-        future.add_done_callback(lambda done: self._forget_failed(key, done))
+        if future is not submitted:  # another thread submitted the same one meanwhile
+            self._compiles.give_up(submitted)
+            return future
+        future.add_done_callback(lambda done: self._on_done(key, done))
         return future
 
-    def _run_compile(
-        self, compiler: xgr.GrammarCompiler, structured: StructuredOutput
-    ) -> xgr.CompiledGrammar:
-        started = time.perf_counter()
-        if structured.kind == "tool_calls":
-            compiled = compiler.compile_structural_tag(tool_calls_tag(structured.schema))
-        else:
-            schema = structured.schema if structured.schema is not None else _ANY_JSON_OBJECT
-            # any_whitespace=False: whitespace between tokens is bounded, so output terminates.
-            compiled = compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
-        with self._lock:
-            self._compile_seconds.append(time.perf_counter() - started)
-        return compiled
-
-    def _forget_failed(self, key: _Key, future: Future) -> None:
+    def _on_done(self, key: _Key, future: Future[Compiled]) -> None:
         """A compile that raised is not cached: the next request with it tries again."""
-        if future.cancelled() or future.exception() is not None:
-            with self._lock:
+        with self._lock:
+            if future.cancelled() or future.exception() is not None:
                 if self._entries.get(key) is future:
                     del self._entries[key]
+            else:
+                self._compile_seconds.append(future.result()[1])
 
     def _count_failure(self) -> None:
         with self._lock:
             self.num_compile_failures += 1
 
-    def _get_compiler(self) -> xgr.GrammarCompiler:
+    def _get_tokenizer_id(self) -> int:
         with self._lock:
-            if self._compiler is None:
+            if self._tokenizer_id is None:
                 try:
                     info = tokenizer_info(self.model_info)
                 except Exception as exc:  # no tokenizer next to the weights, or unreadable
@@ -196,9 +210,17 @@ class GrammarCache:
                         f"response_format needs the model's tokenizer, which cannot be read "
                         f"from {self.model_info.tokenizer_path}: {exc}",
                     ) from exc
-                # Our LRU is the one cache: xgrammar's own would be unbounded.
-                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-            return self._compiler
+                self._tokenizer_id = self._compiles.register(info)
+            return self._tokenizer_id
+
+
+def grammar_source(structured: StructuredOutput) -> tuple[str, str]:
+    """(kind, text) of the grammar a constraint compiles from: a structural tag for
+    "tool_calls", else a JSON schema (any JSON object without one)."""
+    if structured.kind == "tool_calls":
+        return "structural_tag", tool_calls_tag(structured.schema)
+    schema = structured.schema if structured.schema is not None else _ANY_JSON_OBJECT
+    return "json_schema", schema
 
 
 TOOL_CALL_BEGIN = "<tool_call>"

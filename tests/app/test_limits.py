@@ -343,3 +343,16 @@ def test_max_schema_bytes_cannot_pass_the_ceiling() -> None:
     with pytest.raises(ParamError, match="max_schema_bytes") as raised:
         EngineConfig(max_schema_bytes=MAX_SCHEMA_BYTES_CEILING + 1)
     assert str(MAX_SCHEMA_BYTES_CEILING) in str(raised.value)
+
+
+@pytest.mark.parametrize("make", [lambda k: chat(n=k), lambda k: completion(n=k)])
+async def test_n_past_max_num_seqs_is_a_400_naming_n(engine: FakeEngine, make) -> None:
+    """A prompt's choices run as one batch: n above max_num_seqs could never be scheduled, so
+    it is refused at the edge (the engine would fail it: a 500)."""
+    settings = Settings(engine=EngineConfig(max_num_seqs=4))
+    async with open_client(engine, settings) as client:
+        route, body = make(4)
+        assert (await client.post(route, json=body)).status_code == 200
+        route, body = make(5)
+        message = assert_refused(await client.post(route, json=body), "n")
+        assert "max_num_seqs" in message

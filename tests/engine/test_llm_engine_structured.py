@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
+from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -162,17 +163,14 @@ def test_a_grammar_error_or_time_out_fails_only_its_request(model_dir):
         engine.generate([[1, 4]], [SamplingParams(ignore_eos=True, structured=bad)])
     assert error.value.param == "ignore_eos"
 
-    release = threading.Event()
-    compile_schema = engine.grammar_cache._run_compile
-    engine.grammar_cache._run_compile = lambda *a: (release.wait(10), compile_schema(*a))[1]
-    engine.grammar_cache.timeout_s = 0.05
+    compiles, given_up = engine.grammar_cache._compiles, []
+    stuck = SimpleNamespace(submit=lambda *args: Future(), give_up=given_up.append)
+    engine.grammar_cache._compiles, engine.grammar_cache.timeout_s = stuck, 0.05
     slow = constrained({"type": "array", "items": {"type": "boolean"}, "maxItems": 3}, seed=1)
     with pytest.raises(ParamError, match="longer than") as error:
         engine.generate([[1, 4]], [slow])
-    assert error.value.param == "response_format"
-    release.set()
-    engine.grammar_cache._run_compile = compile_schema
-    engine.grammar_cache.timeout_s = 10.0
+    assert error.value.param == "response_format" and len(given_up) == 1
+    engine.grammar_cache._compiles, engine.grammar_cache.timeout_s = compiles, 10.0
 
     (result,) = run(engine, [[1, 9, 9]], [good])
     assert_conforms(model_dir, [result], [good])

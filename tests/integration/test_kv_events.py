@@ -3,12 +3,16 @@
 A ZMQ subscriber rebuilds the set of cached block hashes from the events while a workload
 inserts shared prefixes, evicts (more distinct prompts than the pool holds) and quarantines
 (a drilled corruption caught by the audit); the set must equal the server's own listing
-(GET /debug/kv_blocks), with no sequence gap and nothing dropped.
+(GET /debug/kv_blocks), with no sequence gap and nothing dropped. `kvshare serve` refuses to
+publish in plain text on an endpoint reachable beyond the host (the CURVE side:
+tests/engine/test_kv_events_auth.py).
 """
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,7 +22,9 @@ import msgpack
 import pytest
 import zmq
 
-from tests.integration.server import free_port, running_server, scrape
+from app.cli import build_parser
+from app.settings import flag_overrides, load_settings
+from tests.integration.server import REPO, free_port, running_server, scrape
 
 pytestmark = pytest.mark.integration
 
@@ -196,3 +202,31 @@ def test_kv_blocks_listing_is_404_without_kv_events(server_url: str) -> None:
     error = response.json()["error"]
     assert error["code"] == "kv_events_disabled" and "kv-events-endpoint" in error["message"]
     assert scrape(server_url)["kvshare_kv_events_published_total"] == 0
+
+
+def test_serve_refuses_a_wildcard_endpoint_without_curve_or_opt_out(tmp_path) -> None:
+    command = [sys.executable, "-m", "app.cli", "serve", "--config", "config/cpu.yaml"]
+    command += ["--host", "127.0.0.1", "--port", str(free_port())]
+    command += ["--model", str(tmp_path / "never-loaded")]  # the settings are refused first
+    command += ["--kv-events-endpoint", f"tcp://*:{free_port()}"]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "kv_events_endpoint is reachable beyond this host" in done.stderr
+    assert "kv_events_allow_plaintext" in done.stderr
+
+
+def test_serve_flags_set_the_curve_keys_and_the_opt_out(tmp_path) -> None:
+    secret_key_file = tmp_path / "server.key_secret"
+    secret_key_file.write_text("")  # it must exist; only the publisher reads it
+
+    def engine_settings(*flags: str):
+        args = build_parser().parse_args(["serve", "--kv-events-endpoint", "tcp://*:5557", *flags])
+        return load_settings("config/cpu.yaml", {}, flag_overrides(args)).engine
+
+    curve = engine_settings(
+        "--kv-events-curve-secret-key-file", str(secret_key_file),
+        "--kv-events-curve-clients-dir", str(tmp_path),
+    )  # fmt: skip
+    assert curve.kv_events_curve_secret_key_file == str(secret_key_file)
+    assert curve.kv_events_curve_clients_dir == str(tmp_path)
+    assert engine_settings("--kv-events-allow-plaintext").kv_events_allow_plaintext is True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -93,22 +93,31 @@ def test_uncompilable_schema_is_a_param_error_and_not_cached(cache):
     assert cache.num_compile_failures >= 2
 
 
-def test_compile_time_out_is_a_param_error(model_info, monkeypatch):
-    cache = GrammarCache(model_info, EngineConfig(grammar_compile_timeout_seconds=0.05))
-    release = threading.Event()
-    slow = cache._run_compile
+class StuckCompiles:
+    """A compile host whose compiles never finish; remembers what was given up."""
 
-    def stuck(compiler, schema):
-        release.wait(10)
-        return slow(compiler, schema)
+    def __init__(self) -> None:
+        self.given_up: list[Future] = []
 
-    monkeypatch.setattr(cache, "_run_compile", stuck)
+    def register(self, info) -> int:
+        return 0
+
+    def submit(self, tokenizer_id, tenant, kind, text, timeout_s) -> Future:
+        return Future()
+
+    def give_up(self, future: Future) -> None:
+        self.given_up.append(future)
+
+
+def test_compile_time_out_is_a_param_error_and_gives_the_compile_up(model_info):
+    compiles = StuckCompiles()
+    config = EngineConfig(grammar_compile_timeout_seconds=0.05)
+    cache = GrammarCache(model_info, config, compiles)  # type: ignore[arg-type]
     with pytest.raises(ParamError, match="grammar_compile_timeout_seconds") as error:
         cache.compile(BOOLEAN)
     assert error.value.param == "response_format"
     assert cache.num_compile_failures == 1
-    release.set()
-    cache.close()
+    assert len(compiles.given_up) == 1  # the host is told to kill it
 
 
 @pytest.mark.parametrize(
