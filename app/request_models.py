@@ -24,7 +24,7 @@ from app.structured_output import (
     tool_structured_output,
 )
 from engine.core.errors import ParamError
-from engine.core.fair_share import MAX_PRIORITY, MIN_PRIORITY
+from engine.core.protocol import MAX_PRIORITY, MIN_PRIORITY
 from engine.core.sampling_params import SamplingParams, StructuredOutput
 from engine.core.seeds import MAX_SEED
 

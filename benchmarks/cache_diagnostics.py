@@ -27,7 +27,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.integration.server import running_server, scrape
+from benchmarks.serving import running_kvshare, scrape
 
 STATIC = (
     "You are the support assistant of Northwind Outfitters, a shop for hiking and camping "
@@ -98,7 +98,7 @@ def main() -> int:
     parser.add_argument("--server-args", default="--num-threads 1")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    with running_server(*args.server_args.split()) as base_url:
+    with running_kvshare(*args.server_args.split()) as base_url:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none")
         phases = [
             run_phase(client, args.num_requests, dynamic_first=True, salt="before"),

@@ -1,5 +1,5 @@
-"""Noisy neighbour in the scheduler alone: the real scheduler (torch-free) with the fake runner of
-tests/engine/fakes.py and a simulated clock, so the figures do not depend on the machine's load.
+"""Noisy neighbour in the scheduler alone: the real scheduler (torch-free) with the simulated runner
+of engine/simulation.py and a simulated clock, so the figures do not depend on the machine's load.
 
 Tenant A keeps 16 requests of 1,000 unique prompt tokens in flight (16 output tokens each);
 tenant B sends one 20-token request at a time (2 output tokens), CLIENT_DELAY_S after its
@@ -20,7 +20,8 @@ import random
 
 from engine.core.batch import SchedulerOutput
 from engine.core.protocol import EngineRequest
-from tests.engine.fakes import make_scheduler, params
+from engine.core.sampling_params import SamplingParams
+from engine.simulation import make_scheduler
 
 SIM_SECONDS = 240.0  # simulated time per policy
 STEP_S = 0.010  # cost model: per step
@@ -48,6 +49,10 @@ def step_seconds(out: SchedulerOutput) -> float:
     return STEP_S + TOKEN_S * out.num_batched_tokens
 
 
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(seed=0, max_tokens=max_tokens, ignore_eos=True)
+
+
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))]
@@ -70,7 +75,7 @@ def simulate(policy: str, prefill_tokens: int, seed: int = 0) -> dict:
 
     def flood() -> None:
         nonlocal num_a
-        request = EngineRequest(f"a{num_a}", prompt(1000), params(max_tokens=16), tenant="A")
+        request = EngineRequest(f"a{num_a}", prompt(1000), params(16), tenant="A")
         scheduler.add_request(request)
         num_a += 1
 
@@ -82,7 +87,7 @@ def simulate(policy: str, prefill_tokens: int, seed: int = 0) -> dict:
     num_steps = 0
     while clock.now < SIM_SECONDS:
         if b_sent_step is None and clock.now >= b_arrival:  # it waited for the step in progress
-            request = EngineRequest(f"b{b_index}", prompt(20), params(max_tokens=2), tenant="B")
+            request = EngineRequest(f"b{b_index}", prompt(20), params(2), tenant="B")
             scheduler.add_request(request)
             b_sent_step = num_steps
         out = scheduler.schedule()

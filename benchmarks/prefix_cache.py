@@ -38,9 +38,9 @@ from benchmarks.serving import (
     Summary,
     report_json,
     run_benchmark,
+    running_kvshare,
     summarize,
 )
-from tests.integration.server import running_server
 
 MODES = {"on": (), "off": ("--no-prefix-cache",)}  # server flags per cache mode
 WORKLOADS = ("shared-prefix", "multi-turn")
@@ -100,8 +100,8 @@ def measure(server_flags: list[str], configs: list[BenchmarkConfig]) -> dict[str
     """
     runs: dict[str, list[Run]] = {mode: [] for mode in MODES}
     with (
-        running_server(*server_flags, *MODES["on"]) as on_url,
-        running_server(*server_flags, *MODES["off"]) as off_url,
+        running_kvshare(*server_flags, *MODES["on"]) as on_url,
+        running_kvshare(*server_flags, *MODES["off"]) as off_url,
     ):
         urls = {"on": on_url, "off": off_url}
         for url in urls.values():

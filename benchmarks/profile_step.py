@@ -90,8 +90,8 @@ HOOKS = (
     # Newer trees: a step's whole layer stack in one native call (decode_step.cpp).
     ("engine.runtime.cpu.decode_step", "NativeDecodeStep.run", "native layers"),
     ("engine.runtime.sampler", "Sampler.__call__", "sampling"),
-    ("engine.core.scheduler", "Scheduler.schedule", "scheduling"),
-    ("engine.core.scheduler", "Scheduler.update_from_output", "scheduling"),
+    ("engine.sched.scheduler", "Scheduler.schedule", "scheduling"),
+    ("engine.sched.scheduler", "Scheduler.update_from_output", "scheduling"),
 )
 ATTENTION_METHODS = ("store_kv", "forward")
 # The clock every figure uses: wall time, or with --clock cpu this thread's CPU time (with

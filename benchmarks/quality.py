@@ -2,7 +2,7 @@
 
 Quality, teacher-forced on benchmarks/quality_text.txt (an original text written for this
 benchmark, public domain, 2,140 SmolLM2 tokens), through the engine's own model runner
-(engine/runtime/cpu/quant_quality.py): top-1 agreement with the exact model (goal >= 0.98)
+(engine/runtime/quant_quality.py): top-1 agreement with the exact model (goal >= 0.98)
 and the perplexity ratio (goal <= 1.02).
 
 Speed, engine offline (LLMEngine.generate, greedy, EOS ignored, prefix cache off): the median
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.core.config import QUANTIZATIONS, EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.runtime.cpu.quant_quality import TextScore, compare, score_text
 from engine.runtime.loader import resolve_model_dir
+from engine.runtime.quant_quality import TextScore, compare, score_text
 
 TEXT = Path(__file__).resolve().parent / "quality_text.txt"
 PROMPT_TOKENS = 64  # each speed prompt: a slice of the text

@@ -24,6 +24,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.serving import running_kvshare
+
 GOAL = 0.9
 QUESTIONS = (
     "I am planning a small vegetable garden behind my house. The soil is heavy clay, the spot "
@@ -115,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         figures = _measure(args.url, questions, args.max_output_tokens)
     else:
-        from tests.integration.server import running_server
-
-        with running_server(*shlex.split(args.server_args)) as url:
+        with running_kvshare(*shlex.split(args.server_args)) as url:
             figures = _measure(url, questions, args.max_output_tokens)
     print(table(figures))
     return 0 if meets_goal(figures) else 1

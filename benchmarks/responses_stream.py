@@ -21,7 +21,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.integration.server import running_server
+from benchmarks.serving import running_kvshare
 
 QUESTIONS = [
     "Write a haiku about the sea.",
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     runs: dict[str, list[dict]] = {"chat": [], "responses": []}
-    with running_server() as url, httpx.Client(base_url=url, timeout=300) as http:
+    with running_kvshare() as url, httpx.Client(base_url=url, timeout=300) as http:
         model = http.get("/v1/models").json()["data"][0]["id"]
         for route in (_chat, _responses):  # warm-up
             route(http, model, "Hi", 0, 16)

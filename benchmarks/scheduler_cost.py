@@ -2,14 +2,14 @@
 
     PYTHONPATH=. python benchmarks/scheduler_cost.py [--rounds 15] [--requests 32] [--concurrency 8]
 
-The real Scheduler and KVCacheManager with the fake runner of tests/engine/fakes.py: one
+The real Scheduler and KVCacheManager with the simulated runner of engine/simulation.py: one
 tenant's requests (a shared 199-token prefix, then 40 tokens of their own, 32 output tokens),
 at most --concurrency of them in the scheduler at once (a new one arrives when one finishes,
 as under a client at that concurrency: diagnostics_overhead.py's c=8 workload), up to 32
 running, 512-token steps, prefix cache on. Prints the microseconds schedule() and
 update_from_output() take per step, per policy, in alternating runs, then the medians: with one
 tenant fair share makes fcfs's schedule step for step (asserted by
-tests/engine/core/test_fair_share.py), so their difference is all that the policy costs, to be
+tests/engine/sched/test_fair_share.py), so their difference is all that the policy costs, to be
 set against a real step's time at that batch.
 """
 
@@ -21,7 +21,7 @@ import time
 
 from engine.core.protocol import EngineRequest
 from engine.core.sampling_params import SamplingParams
-from tests.engine.fakes import make_scheduler
+from engine.simulation import make_scheduler
 
 POLICIES = ("fcfs", "fair-share")
 

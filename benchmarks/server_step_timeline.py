@@ -33,11 +33,11 @@ sys.path.insert(0, str(REPO))
 # (label, class path, method): the parts timed, in the order printed.
 TIMED = (
     ("step", "engine.llm_engine:LLMEngine", "step"),
-    ("schedule", "engine.core.scheduler:Scheduler", "schedule"),
+    ("schedule", "engine.sched.scheduler:Scheduler", "schedule"),
     ("execute", "engine.runtime.model_runner:ModelRunner", "execute"),
     ("native layers", "engine.runtime.cpu.decode_step:NativeDecodeStep", "run"),
     ("LM head + sampling", "engine.runtime.model_runner:ModelRunner", "_sample"),
-    ("update", "engine.core.scheduler:Scheduler", "update_from_output"),
+    ("update", "engine.sched.scheduler:Scheduler", "update_from_output"),
     ("stats snapshot", "engine.llm_engine:LLMEngine", "_publish"),
     ("deliver to the loop", "engine.async_engine:AsyncEngine", "_deliver"),
 )

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -585,6 +586,23 @@ def running_kvshare(*flags: str) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         stop_server(process)
+
+
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+(?P<value>\S+)$")
+
+
+def scrape(base_url: str, operator_key: str | None = None) -> dict[str, float]:
+    """/metrics as {'name{labels}': value} (labels exactly as the server prints them);
+    operator_key: the server's operator key, where it has operator_keys."""
+    headers = {} if operator_key is None else {"Authorization": f"Bearer {operator_key}"}
+    response = httpx.get(f"{base_url}/metrics", headers=headers, timeout=10.0)
+    response.raise_for_status()
+    samples = {}
+    for line in response.text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            samples[match["name"] + (match["labels"] or "")] = float(match["value"])
+    return samples
 
 
 # ---------------------------------------------------------------- command line

@@ -3,7 +3,7 @@
 Workloads (SmolLM2-135M-Instruct, chat-templated, greedy, fixed output length):
   - edit: "rewrite this code / text with a small change": the answer copies the prompt, so
     drafts from the prompt are often right (the case prompt lookup is for);
-  - chat: the short unique questions of tests/oracle.py (answers rarely repeat the prompt).
+  - chat: the short unique questions of benchmarks/questions.py (answers rarely repeat the prompt).
 Each (workload, batch) runs without speculation, then with it, in one engine each, and the
 token ids are compared (they must be equal: speculation is exact).
 
@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.questions import QUESTIONS
 from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
@@ -61,8 +62,6 @@ def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def workloads(tokenizer, batch: int) -> dict[str, list[list[int]]]:
-    from tests.oracle import QUESTIONS
-
     edits = [f"{_CODE}\n{_EDITS[i % len(_EDITS)]}" for i in range(batch)]
     return {
         "edit": chat_prompts(tokenizer, edits),

@@ -19,10 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, make_namespace
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.sched.scheduler import Scheduler
 
 SIZES = (1_000, 100_000)
 NAMESPACE = make_namespace("w")

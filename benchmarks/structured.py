@@ -4,8 +4,9 @@
         --out benchmarks/results/structured.json
 
 Starts a `kvshare serve` (config/cpu.yaml plus --server-args) unless --url names one. The
-requests are the schemas of tests/integration/test_structured_http.py, each with its prompt,
-temperature 1 and a fixed seed, streamed at a fixed concurrency.
+requests are the schemas of benchmarks/structured_schemas.py (those of
+tests/integration/test_structured_http.py), each with its prompt, temperature 1 and a fixed
+seed, streamed at a fixed concurrency.
 
 - A warm-up pass sends the json_schema requests once: it compiles (and caches) every grammar and
   records each request's output length from `usage`. Seeded outputs are batch invariant, so the
@@ -37,9 +38,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import RequestResult, discover_model, stream_chat
-from tests.integration.server import running_server, scrape
-from tests.integration.test_structured_http import SCHEMAS
+from benchmarks.serving import RequestResult, discover_model, running_kvshare, scrape, stream_chat
+from benchmarks.structured_schemas import SCHEMAS
 
 GOAL = 0.9  # constrained output tok/s at least this fraction of unconstrained
 COMPILE_SUM = "kvshare_grammar_compile_seconds_sum"
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     server = (
         nullcontext(args.url.rstrip("/"))
         if args.url
-        else running_server(*shlex.split(args.server_args))
+        else running_kvshare(*shlex.split(args.server_args))
     )
     with server as base_url:
         report = asyncio.run(run(args, base_url))

@@ -13,7 +13,6 @@ from engine.audit.faults import FaultInjector
 from engine.core.batch import ModelRunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.core.errors import FaultInjectionDisabled, KVEventsDisabled
-from engine.core.fair_share import FairShareWeights
 from engine.core.protocol import (
     EngineRequest,
     EngineStats,
@@ -24,7 +23,6 @@ from engine.core.protocol import (
     StepSample,
 )
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
 from engine.core.spec_ngram import NgramProposer
 from engine.core.validation import validate_request
 from engine.kv.block_pool import BlockPool
@@ -32,6 +30,8 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_events import KVEvent
 from engine.runtime.grammar import GrammarCache
 from engine.runtime.model_runner import ModelRunner
+from engine.sched.fair_share import FairShareWeights
+from engine.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from engine.kv_event_publisher import KVEventPublisher

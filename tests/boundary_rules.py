@@ -48,19 +48,58 @@ class Rule:
 
 
 RULES = (
-    # The core: plain data and the scheduler. Torch-free, web-free; of the KV memory it sees
-    # only the facade (never the radix cache or the block pool).
-    Rule("engine/core", TORCH_STACK + WEB_STACK, ("engine.core", "engine.kv.kv_cache_manager")),
+    # The core: the plain data every layer shares. Torch-free, web-free; it imports no other layer.
+    Rule("engine/core", TORCH_STACK + WEB_STACK, ("engine.core",)),
     # The KV memory: torch-free, web-free, built on the core's plain data alone.
     Rule("engine/kv", TORCH_STACK + WEB_STACK, ("engine.core", "engine.kv")),
+    # The scheduler: torch-free, web-free; of the KV memory it sees only the facade (never the
+    # radix cache or the block pool).
+    Rule(
+        "engine/sched",
+        TORCH_STACK + WEB_STACK,
+        ("engine.core", "engine.kv.kv_cache_manager", "engine.sched"),
+    ),
     Rule("engine/tokenizer.py", TORCH_STACK + WEB_STACK, ("engine.core",)),
+    # The simulated runner: the scheduler over real KV memory, with no model and no torch.
+    Rule(
+        "engine/simulation.py",
+        TORCH_STACK + WEB_STACK,
+        ("engine.core", "engine.kv", "engine.sched", "engine.simulation"),
+    ),
     # The torch runtime runs what the scheduler hands it: it knows no KV manager, audit or driver.
     Rule("engine/runtime", WEB_STACK, ("engine.core", "engine.runtime")),
+    # The runtime's subpackages never import up into engine/runtime's own modules (loader,
+    # model_runner...); across them: models use attention's interface and the cpu kernels,
+    # attention builds its cpu backend on the native library, the cpu kernels take
+    # attention's metadata.
+    Rule(
+        "engine/runtime/attention",
+        WEB_STACK,
+        ("engine.core", "engine.runtime.attention", "engine.runtime.cpu.native"),
+    ),
+    Rule(
+        "engine/runtime/cpu",
+        WEB_STACK,
+        ("engine.core", "engine.runtime.cpu", "engine.runtime.attention.base"),
+    ),
+    Rule(
+        "engine/runtime/models",
+        WEB_STACK,
+        (
+            "engine.core",
+            "engine.runtime.models",
+            "engine.runtime.attention.base",
+            "engine.runtime.cpu",
+        ),
+    ),
     Rule("engine/audit", WEB_STACK, ("engine.core", "engine.kv", "engine.runtime", "engine.audit")),
     # No engine module imports the web stack or app/ (app -> engine, never back).
     Rule("engine", (*WEB_STACK, "app")),
     # app/ never imports torch (cli.py builds the engine through engine modules, lazily).
     Rule("app", TORCH_STACK),
+    # The benchmarks never import tests/ (what both need lives in benchmarks/ or engine/; the
+    # tests may import the benchmarks).
+    Rule("benchmarks", ("tests",)),
 )
 # The layers that load neither torch nor the web stack, at run time too (loaded_after_import).
 TORCH_FREE_RULES = tuple(r for r in RULES if set(TORCH_STACK + WEB_STACK) <= set(r.forbidden))

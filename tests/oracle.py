@@ -4,26 +4,6 @@ from __future__ import annotations
 
 import torch
 
-# Chat questions for the SmolLM2 integration tests (CPU and GPU).
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in one sentence.",
-    "List three prime numbers.",
-    "Who wrote Hamlet?",
-    "Translate 'good morning' into Spanish.",
-    "What is 12 times 12?",
-    "Give me a synonym for happy.",
-    "Describe a cat in five words.",
-    "Why is the sky blue? Answer briefly, please, in plain words for a child of six.",
-    "Name a planet.",
-    "What does CPU stand for?",
-    "Suggest a name for a bakery.",
-    "How many legs does a spider have?",
-    "What colour do you get by mixing blue and yellow?",
-    "Tell me a fun fact about octopuses, something most people do not know about them.",
-]
-
 
 def random_prompt(length: int, seed: int = 0) -> list[int]:
     """Token ids in [3, 256) for the tiny random test models (ids 0-2 are their specials)."""

@@ -44,17 +44,19 @@ def test_app_does_not_load_torch(module: str) -> None:
     assert loaded_after_import([module], TORCH_STACK) == {module: []}
 
 
-# -- the checker itself, on a copy of the torch-free layers ------------------------------------
+# -- the checker itself, on a copy of the layers -----------------------------------------------
 @pytest.fixture
 def layers(tmp_path: Path) -> Path:
-    """A copy of engine/__init__.py, engine/core and engine/kv: a minimal engine package."""
+    """A copy of engine/__init__.py, engine/core, engine/kv, engine/sched, engine/runtime and
+    benchmarks/ (without its results): a minimal engine package and its benchmarks."""
     (tmp_path / "engine").mkdir()
     shutil.copy(REPO_ROOT / "engine" / "__init__.py", tmp_path / "engine")
-    for folder in ("core", "kv"):
+    folders = ["engine/core", "engine/kv", "engine/sched", "engine/runtime", "benchmarks"]
+    for folder in folders:
         shutil.copytree(
-            REPO_ROOT / "engine" / folder,
-            tmp_path / "engine" / folder,
-            ignore=shutil.ignore_patterns("__pycache__"),
+            REPO_ROOT / folder,
+            tmp_path / folder,
+            ignore=shutil.ignore_patterns("__pycache__", "results"),
         )
     return tmp_path
 
@@ -140,7 +142,7 @@ BAD_IMPORTS = [
         "engine/kv/radix_cache.py",
         "from engine.runtime import sampler",
         "engine/kv",
-        "engine.runtime",
+        "engine.runtime.sampler",
         id="kv-runtime",
     ),
     pytest.param(
@@ -149,6 +151,114 @@ BAD_IMPORTS = [
         "engine/kv",
         "engine",
         id="kv-driver",
+    ),
+    pytest.param(
+        "engine/core/batch.py",
+        "from engine.kv.kv_cache_manager import KVCacheManager",
+        "engine/core",
+        "engine.kv.kv_cache_manager",
+        id="core-kv-facade",
+    ),
+    pytest.param(
+        "engine/core/sequence.py",
+        "from engine.sched import scheduler",
+        "engine/core",
+        "engine.sched.scheduler",
+        id="core-sched",
+    ),
+    pytest.param(
+        "engine/kv/kv_cache_manager.py",
+        "from engine.sched.scheduler import Scheduler",
+        "engine/kv",
+        "engine.sched.scheduler",
+        id="kv-sched",
+    ),
+    pytest.param(
+        "engine/kv/block_pool.py",
+        "from ..sched import fair_share",
+        "engine/kv",
+        "engine.sched.fair_share",
+        id="kv-sched-relative",
+    ),
+    pytest.param(
+        "engine/sched/scheduler.py", "import torch", "engine/sched", "torch", id="sched-torch"
+    ),
+    pytest.param(
+        "engine/sched/step_builder.py",
+        "from engine.kv.radix_cache import RadixCache",
+        "engine/sched",
+        "engine.kv.radix_cache",
+        id="sched-radix-cache",
+    ),
+    pytest.param(
+        "engine/sched/admission.py",
+        "from ..kv import block_pool",
+        "engine/sched",
+        "engine.kv.block_pool",
+        id="sched-block-pool-relative",
+    ),
+    pytest.param(
+        "engine/sched/fair_share.py",
+        "from engine.runtime import sampler",
+        "engine/sched",
+        "engine.runtime.sampler",
+        id="sched-runtime",
+    ),
+    pytest.param(
+        "engine/sched/request_table.py",
+        "from engine import llm_engine",
+        "engine/sched",
+        "engine",
+        id="sched-driver",
+    ),
+    pytest.param(
+        "engine/runtime/attention/select.py",
+        "def f():\n    from engine.runtime.loader import kvshare_cache_dir",
+        "engine/runtime/attention",
+        "engine.runtime.loader",
+        id="attention-loader-in-a-function",
+    ),
+    pytest.param(
+        "engine/runtime/attention/torch_ref.py",
+        "from engine.runtime.cpu import quant",
+        "engine/runtime/attention",
+        "engine.runtime.cpu.quant",
+        id="attention-cpu-beyond-native",
+    ),
+    pytest.param(
+        "engine/runtime/cpu/quant.py",
+        "from engine.runtime.model_runner import ModelRunner",
+        "engine/runtime/cpu",
+        "engine.runtime.model_runner",
+        id="cpu-model-runner",
+    ),
+    pytest.param(
+        "engine/runtime/cpu/linear.py",
+        "from engine.runtime.attention import select",
+        "engine/runtime/cpu",
+        "engine.runtime.attention.select",
+        id="cpu-attention-beyond-base",
+    ),
+    pytest.param(
+        "engine/runtime/models/llama.py",
+        "from .. import sampler",
+        "engine/runtime/models",
+        "engine.runtime.sampler",
+        id="models-parent-relative",
+    ),
+    pytest.param(
+        "benchmarks/prefix_cache.py",
+        "from tests.integration.server import running_server",
+        "benchmarks",
+        "tests.integration.server",
+        id="benchmarks-tests",
+    ),
+    pytest.param(
+        "benchmarks/spec_decode.py",
+        "def f():\n    import tests.oracle",
+        "benchmarks",
+        "tests.oracle",
+        id="benchmarks-tests-in-a-function",
     ),
 ]
 
@@ -165,16 +275,38 @@ def test_the_checker_fails_on_a_bad_import(
 
 
 def test_the_checker_accepts_what_the_rules_allow(layers: Path) -> None:
-    core, kv = RULES_BY_PATH["engine/core"], RULES_BY_PATH["engine/kv"]
-    before = violations(core, layers), violations(kv, layers)
-    append(layers, "engine/core/batch.py", "from engine.kv.kv_cache_manager import KVCacheManager")
-    append(layers, "engine/core/config.py", "from engine.kv import kv_cache_manager")
+    paths = ["engine/core", "engine/kv", "engine/sched", "engine/runtime/attention"]
+    paths += ["engine/runtime/cpu", "engine/runtime/models", "benchmarks"]
+    rules = [RULES_BY_PATH[path] for path in paths]
+    before = [violations(rule, layers) for rule in rules]
+    append(layers, "engine/core/batch.py", "from engine.core.sampling_params import SamplingParams")
+    append(layers, "engine/core/config.py", "from . import errors")
     append(layers, "engine/kv/block_pool.py", "from engine.core.batch import BlockCopy")
     append(layers, "engine/kv/radix_cache.py", "from . import block_pool\nimport json")
-    assert (violations(core, layers), violations(kv, layers)) == before
+    append(
+        layers, "engine/sched/admission.py", "from engine.kv.kv_cache_manager import KVCacheManager"
+    )
+    append(layers, "engine/sched/fair_share.py", "from engine.kv import kv_cache_manager")
+    append(
+        layers,
+        "engine/sched/step_builder.py",
+        "from . import fair_share\nfrom engine.core import batch",
+    )
+    append(layers, "engine/runtime/attention/torch_ref.py", "from engine.runtime.cpu import native")
+    append(layers, "engine/runtime/cpu/quant.py", "from ..attention.base import AttentionMetadata")
+    append(
+        layers,
+        "engine/runtime/models/llama.py",
+        "from engine.runtime.cpu import linear\nfrom engine.core import errors",
+    )
+    append(layers, "benchmarks/prefix_cache.py", "from benchmarks import serving\nimport engine")
+    assert [violations(rule, layers) for rule in rules] == before
 
 
-@pytest.mark.parametrize("rule_path", ["engine/core", "engine/kv", "engine/tokenizer.py"])
+@pytest.mark.parametrize(
+    "rule_path",
+    ["engine/core", "engine/kv", "engine/sched", "engine/tokenizer.py", "engine/runtime/models"],
+)
 def test_a_rule_without_modules_fails(layers: Path, rule_path: str) -> None:
     rule = RULES_BY_PATH[rule_path]
     target = layers / rule.path

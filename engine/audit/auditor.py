@@ -2,7 +2,7 @@
 and quarantine what is wrong.
 
 What is audited. A sampled fraction (audit_sample_rate; a hash of the request id, so no global
-random state) of first admissions that reused cached tokens (scheduler.CacheHit). The auditor
+random state) of first admissions that reused cached tokens (batch.CacheHit). The auditor
 takes a reference on the tree blocks the hit reused (they can be neither evicted nor reused
 until compared), asks the runner to keep the logits row the sequence gets at its last prompt
 token, and recomputes the whole prompt, in chunks, into private blocks of its own (allocated
@@ -60,9 +60,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.core.batch import ScheduledSeq, SchedulerOutput
+from engine.core.batch import CacheHit, ScheduledSeq, SchedulerOutput
 from engine.core.config import EngineConfig
-from engine.core.scheduler import CacheHit
 from engine.core.sequence import Sequence
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.runtime.model_runner import ModelRunner

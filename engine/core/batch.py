@@ -1,4 +1,5 @@
-"""Plain-data seam between the scheduler and the model runner: ints and lists only."""
+"""Plain-data seams of a step, ints and lists only: the scheduler to the model runner and back,
+and the scheduler to the cache auditor (CacheHit)."""
 
 from __future__ import annotations
 
@@ -123,3 +124,18 @@ class ModelRunnerOutput:
 
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """A sequence admitted for the first time with a cached prefix (for the cache auditor).
+
+    cached_block_ids: the tree blocks it reused, in order (full blocks, then the source of
+    its partial copy); they cover its first num_cached_tokens prompt tokens.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]  # read only
+    cached_block_ids: list[int]
+    num_cached_tokens: int

@@ -14,7 +14,7 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")  # what a model runs in
 DTYPES = ("auto", *TORCH_DTYPES)  # auto: float32 on CPU, bfloat16 on CUDA
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine/runtime/attention/select.py
-# see engine/core/admission.py; fair-share: engine/core/fair_share.py (fcfs with one tenant)
+# see engine/sched/admission.py; fair-share: engine/sched/fair_share.py (fcfs with one tenant)
 SCHEDULING_POLICIES = ("fcfs", "longest-prefix-first", "fair-share")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # none: exact (the oracle for every equality test); native: a GGUF model's blocks as stored
@@ -88,13 +88,13 @@ class EngineConfig:
     scheduling_policy: str = (
         "fair-share"  # fair-share (fcfs for 1 tenant) | fcfs | longest-prefix-first
     )
-    # fair-share: service per token (engine/core/fair_share.py FairShareWeights)
+    # fair-share: service per token (engine/sched/fair_share.py FairShareWeights)
     fair_share_prompt_weight: float = 1.0
     fair_share_cached_prompt_weight: float = 0.1
     fair_share_output_weight: float = 2.0
     # fair-share, while two or more tenants are active (a live request, or the last one ended
     # less than fair_share_active_seconds ago): the prefill tokens per step of every tenant
-    # but the least-served active one, together (0: no cap; engine/core/fair_share.py).
+    # but the least-served active one, together (0: no cap; engine/sched/fair_share.py).
     fair_share_prefill_tokens: int = 4
     fair_share_active_seconds: float = 1.0  # 0: only tenants with a live request are active
     attention_backend: str = "auto"  # auto | torch | cpu | triton

@@ -10,6 +10,9 @@ from typing import Protocol
 
 from engine.core.sampling_params import SamplingParams
 
+MIN_PRIORITY = -1_000_000  # the `priority` extension field's bounds (vLLM: lower runs first)
+MAX_PRIORITY = 1_000_000
+
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id, or a stop string
@@ -29,7 +32,7 @@ class EngineRequest:
     # Narrows the prefix-cache namespace (tenant / cache_salt); None shares the model's root.
     cache_salt: str | None = None
     # Fair share: the tenant whose service this is (None: the one shared tenant) and the
-    # priority within it (lower runs first; engine/core/fair_share.py has the bounds).
+    # priority within it (lower runs first, within MIN_PRIORITY..MAX_PRIORITY).
     tenant: str | None = None
     priority: int = 0
     # The prompt's first tokens hold text the client changes per request or session (an

@@ -76,7 +76,7 @@ class Sequence:
     cache_diagnosis: CacheDiagnosis | None = None  # why the prompt missed (first admission)
     num_volatile_prefix_tokens: int = 0  # EngineRequest's: a miss inside them is volatile
     arrival_step: int = 0  # the scheduler step it arrived at, for the waiting-age bound
-    # Fair share (engine/core/fair_share.py): whose service this is, and its priority
+    # Fair share (engine/sched/fair_share.py): whose service this is, and its priority
     # within the tenant (lower first; of a tenant's running sequences, the lowest-priority one
     # is preempted first, and another tenant's only while that one is over its fair share).
     tenant: str = ""

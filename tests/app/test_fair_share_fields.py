@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from helpers import chat_body, make_settings, open_client
 
-from engine.core.fair_share import MAX_PRIORITY, MIN_PRIORITY
+from engine.core.protocol import MAX_PRIORITY, MIN_PRIORITY
 
 pytestmark = pytest.mark.anyio
 

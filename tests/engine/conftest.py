@@ -1,8 +1,8 @@
 """Fixtures of the LLMEngine tests: the tiny random Llama of tests/engine/engine_helpers.py.
 
 Module-scoped, as when each test module defined them: a module's engines and its HF twin see
-one saved checkpoint. torch is imported inside the fixtures: the core/ and kv/ tests under this
-folder run without it.
+one saved checkpoint. torch is imported inside the fixtures: the core/, kv/ and sched/ tests
+under this folder run without it.
 """
 
 from __future__ import annotations

@@ -30,10 +30,11 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="session")
 def prompts(model_dir) -> list[list[int]]:
-    """tests.oracle.QUESTIONS as chat-templated prompt ids (HF's tokenizer)."""
+    """benchmarks.questions.QUESTIONS as chat-templated prompt ids (HF's tokenizer)."""
     from transformers import AutoTokenizer
 
-    from tests.oracle import QUESTIONS, chat_prompt_ids
+    from benchmarks.questions import QUESTIONS
+    from tests.oracle import chat_prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return [chat_prompt_ids(tokenizer, q) for q in QUESTIONS]

@@ -1,5 +1,5 @@
 """Schema fuzzing of a running kvshare server with schemathesis (tests/integration/test_fuzz.py
-and benchmarks/fuzz.py).
+and tests/integration/long_fuzz.py).
 
 Cases come from two documents: the server's own /openapi.json (every operation), and OpenAI's
 openapi.yaml (chat and completions only; what it allows that kvshare lacks must be a 400 naming

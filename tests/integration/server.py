@@ -1,12 +1,10 @@
-"""A real `kvshare serve` (real engine, real uvicorn on 127.0.0.1) for integration tests and
-benchmarks: start one, and read its /metrics."""
+"""A real `kvshare serve` (real engine, real uvicorn on 127.0.0.1) for integration tests: start
+one, and read its /metrics. The benchmarks start theirs through benchmarks/serving.py."""
 
 from __future__ import annotations
 
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +15,11 @@ from typing import IO
 
 import httpx
 
+# One definition each, shared with the benchmarks (which never import tests/).
+from benchmarks.serving import free_port as free_port
+from benchmarks.serving import scrape as scrape
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -90,20 +86,3 @@ def wait_ready(base_url: str, process: subprocess.Popen, timeout_s: float = 300.
             pass
         time.sleep(0.5)
     raise RuntimeError("server did not become ready in time")
-
-
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+(?P<value>\S+)$")
-
-
-def scrape(base_url: str, operator_key: str | None = None) -> dict[str, float]:
-    """/metrics as {'name{labels}': value} (labels exactly as the server prints them);
-    operator_key: the server's operator key, where it has operator_keys."""
-    headers = {} if operator_key is None else {"Authorization": f"Bearer {operator_key}"}
-    response = httpx.get(f"{base_url}/metrics", headers=headers, timeout=10.0)
-    response.raise_for_status()
-    samples = {}
-    for line in response.text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and not line.startswith("#"):
-            samples[match["name"] + (match["labels"] or "")] = float(match["value"])
-    return samples

@@ -16,8 +16,8 @@ import openai
 import pytest
 import torch
 
+from benchmarks.questions import QUESTIONS
 from tests.integration.server import running_server
-from tests.oracle import QUESTIONS
 
 pytestmark = pytest.mark.integration
 

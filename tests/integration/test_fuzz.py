@@ -3,7 +3,7 @@
 Cases from the server's own /openapi.json (every operation) and from OpenAI's openapi.yaml
 (chat and completions), a fixed number per operation and generation mode with a fixed seed,
 under a time cap (tests/integration/fuzzing.py says what is checked). A longer, randomly
-seeded run: benchmarks/fuzz.py.
+seeded run: tests/integration/long_fuzz.py.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from engine.llm_engine import LLMEngine
 from engine.runtime.cpu.block_linear import BlockEmbedding, BlockLinear, GreedyHead
 from engine.runtime.cpu.capabilities import cpu_capabilities
 from engine.runtime.cpu.native import load_library
-from engine.runtime.cpu.quant_quality import TextScore, compare, score_text
 from engine.runtime.loader import iter_weights, kvshare_cache_dir, load_model, resolve_model_source
 from engine.runtime.model_runner import ModelRunner
+from engine.runtime.quant_quality import TextScore, compare, score_text
 from tests.engine.runtime.kernel_paths import amx_here
 
 pytestmark = [

@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 
 from engine.core.config import EngineConfig
 from engine.runtime.cpu.quant import can_quantize
-from engine.runtime.cpu.quant_quality import TextScore, compare, score_text
 from engine.runtime.model_runner import ModelRunner
+from engine.runtime.quant_quality import TextScore, compare, score_text
 
 pytestmark = pytest.mark.skipif(not can_quantize(), reason="fbgemm does not run on this CPU")
 

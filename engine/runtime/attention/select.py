@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine.core.config import ATTENTION_BACKENDS
+from engine.core.config import ATTENTION_BACKENDS, EngineConfig
 from engine.runtime.attention.base import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -34,10 +34,7 @@ def get_attention_backend(
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
     if build_dir is None:
-        from engine.core.config import EngineConfig
-        from engine.runtime.loader import kvshare_cache_dir
-
-        build_dir = kvshare_cache_dir(EngineConfig()) / "kernels"
+        build_dir = EngineConfig().cache_root() / "kernels"
     if name == "auto" and device.type == "cpu":
         return _cpu_or_torch(build_dir)
     if name == "auto":

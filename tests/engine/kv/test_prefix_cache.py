@@ -1,8 +1,8 @@
 """Prefix cache through KVCacheManager and the scheduler (no torch): exact block ids.
 
 Manager tests drive admit / slot_mapping / insert_prefix / free by hand, the way the
-scheduler does; scheduler tests use the fake runner of tests/engine/fakes.py, which reads every
-sampled sequence's context back through its block table (a wrong shared block, a missing
+scheduler does; scheduler tests use the simulated runner of engine/simulation.py, which reads
+every sampled sequence's context back through its block table (a wrong shared block, a missing
 copy or a write into a cached block shows up as a wrong token read back).
 """
 
@@ -16,16 +16,8 @@ from engine.core.sampling_params import SamplingParams
 from engine.core.sequence import Sequence, make_namespace
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache_manager import KVCacheManager
-from tests.engine.fakes import (
-    BLOCK_SIZE,
-    Collected,
-    collect,
-    expected_outputs,
-    make_scheduler,
-    params,
-    run,
-    step,
-)
+from engine.simulation import BLOCK_SIZE, make_scheduler
+from tests.engine.fakes import Collected, collect, expected_outputs, params, run, step
 
 NAMESPACE = make_namespace("w0")
 

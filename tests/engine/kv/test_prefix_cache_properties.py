@@ -24,24 +24,17 @@ from hypothesis import strategies as st
 from engine.core.batch import ModelRunnerOutput, SchedulerOutput
 from engine.core.protocol import EngineRequest
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
 from engine.core.sequence import make_namespace
-from tests.engine.fakes import (
-    BLOCK_SIZE,
-    EOS_TOKEN_IDS,
-    FakeRunner,
-    check_outputs,
-    collect,
-    make_scheduler,
-    step,
-)
+from engine.sched.scheduler import Scheduler
+from engine.simulation import BLOCK_SIZE, SimulatedRunner, make_scheduler
+from tests.engine.fakes import EOS_TOKEN_IDS, check_outputs, collect, step
 
 MAX_MODEL_LEN = 32
 SALTS = (None, "tenant-b")
 
 
-class CheckedRunner(FakeRunner):
-    """FakeRunner that also checks every write target is private (invariant 2)."""
+class CheckedRunner(SimulatedRunner):
+    """SimulatedRunner that also checks every write target is private (invariant 2)."""
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         pool = self.scheduler.kv_cache_manager.pool
@@ -92,7 +85,7 @@ def derive_prompt(op: tuple, state: dict) -> list[int]:
     return prompt[: MAX_MODEL_LEN - 1] or new_tokens
 
 
-def apply(scheduler: Scheduler, runner: FakeRunner, op: tuple, state: dict) -> None:
+def apply(scheduler: Scheduler, runner: SimulatedRunner, op: tuple, state: dict) -> None:
     kind = op[0]
     if kind == "add":
         *_, salt, n, max_tokens, ignore_eos, seed = op
@@ -127,7 +120,7 @@ def known_sequences(state: dict) -> dict[tuple, list[list[int]]]:
     return known
 
 
-def check_books(scheduler: Scheduler, runner: FakeRunner, state: dict) -> None:
+def check_books(scheduler: Scheduler, runner: SimulatedRunner, state: dict) -> None:
     scheduler.check_integrity()
     kv = scheduler.kv_cache_manager
     tree = kv.prefix_cache

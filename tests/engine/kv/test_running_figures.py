@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence, make_namespace
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.sched.scheduler import Scheduler
 
 ENGINE_DIR = str(Path(__file__).resolve().parents[3] / "engine")
 BLOCK_SIZE = 4

@@ -1,6 +1,6 @@
 """The quantization modes (engine/runtime/cpu/quant.py) against independent references: the
 fp64 matmul of the same weights, an fp64 emulation of the int8 arithmetic, HF transformers'
-logits, and the scorer of engine/runtime/cpu/quant_quality.py against HF's log-softmax."""
+logits, and the scorer of engine/runtime/quant_quality.py against HF's log-softmax."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from engine.runtime.cpu.quant import (
     quantize_model,
     quantize_per_channel,
 )
-from engine.runtime.cpu.quant_quality import compare, score_text
 from engine.runtime.loader import load_model
 from engine.runtime.model_runner import ModelRunner
+from engine.runtime.quant_quality import compare, score_text
 from tests.oracle import random_prompt
 
 pytestmark = [

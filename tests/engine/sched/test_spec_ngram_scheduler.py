@@ -6,10 +6,10 @@ from __future__ import annotations
 from engine.core.batch import ModelRunnerOutput, SampledToken
 from engine.core.protocol import EngineRequest
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
 from engine.core.spec_ngram import NgramProposer
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.sched.scheduler import Scheduler
 
 BLOCK_SIZE = 4
 

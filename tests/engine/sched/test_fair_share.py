@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.core.fair_share import ActiveTenants, FairShare, FairShareWeights
 from engine.core.protocol import EngineRequest
-from engine.core.scheduler import Scheduler
-from tests.engine.fakes import Collected, FakeRunner, collect, make_scheduler, params, run, step
+from engine.sched.fair_share import ActiveTenants, FairShare, FairShareWeights
+from engine.sched.scheduler import Scheduler
+from engine.simulation import SimulatedRunner, make_scheduler
+from tests.engine.fakes import Collected, collect, params, run, step
 
 
 def request(request_id: str, prompt: list[int], tenant: str | None = None, **kwargs):
@@ -16,7 +17,7 @@ def request(request_id: str, prompt: list[int], tenant: str | None = None, **kwa
     return EngineRequest(request_id, prompt, params(**kwargs), tenant=tenant, priority=priority)
 
 
-def admission_order(runner: FakeRunner, scheduler: Scheduler) -> list[str]:
+def admission_order(runner: SimulatedRunner, scheduler: Scheduler) -> list[str]:
     """Request ids in the order their first chunk was scheduled."""
     order: list[str] = []
     for out in runner.steps:
@@ -45,7 +46,7 @@ def recording(scheduler: Scheduler) -> Scheduler:
     return scheduler
 
 
-def one_at_a_time(policy: str) -> tuple[Scheduler, FakeRunner]:
+def one_at_a_time(policy: str) -> tuple[Scheduler, SimulatedRunner]:
     scheduler, runner = make_scheduler(max_num_seqs=1, scheduling_policy=policy)
     return recording(scheduler), runner
 
@@ -114,7 +115,7 @@ class StepClock:
     end; plus idle_seconds, the time the engine spent without a step."""
 
     def __init__(self) -> None:
-        self.runner: FakeRunner | None = None
+        self.runner: SimulatedRunner | None = None
         self.idle_seconds = 0.0
 
     def __call__(self) -> float:
@@ -246,7 +247,7 @@ def test_fair_share_composes_with_the_prefix_cache_and_chunked_prefill(
 
 
 # -- the prefill cap and the tie at activation -----------------------------------------------
-def capped(fair_share_prefill_tokens: int) -> tuple[Scheduler, FakeRunner]:
+def capped(fair_share_prefill_tokens: int) -> tuple[Scheduler, SimulatedRunner]:
     """Fair share, 64 tokens a step, an active window of 1 s (4 steps)."""
     clock = StepClock()
     scheduler, runner = make_scheduler(
@@ -263,7 +264,7 @@ def capped(fair_share_prefill_tokens: int) -> tuple[Scheduler, FakeRunner]:
 
 
 def prefill_chunks(
-    scheduler: Scheduler, runner: FakeRunner, prompts: dict[str, list[int]]
+    scheduler: Scheduler, runner: SimulatedRunner, prompts: dict[str, list[int]]
 ) -> list[list[tuple[str, int]]]:
     """Each step's prefill chunks, in step order: (request id, prompt tokens computed)."""
     names = seq_requests(scheduler)
@@ -279,7 +280,7 @@ def prefill_chunks(
     return steps
 
 
-def a_visitor_during_a_flood() -> tuple[Scheduler, FakeRunner, list[list[tuple[str, int]]]]:
+def a_visitor_during_a_flood() -> tuple[Scheduler, SimulatedRunner, list[list[tuple[str, int]]]]:
     """A queues a 300-token and a 40-token prompt; before step 2, B sends 4 tokens (2 out).
     Cap 16. B's request ends with step 3 (t = 0.75 s), so B stays active through step 7
     (t = 1.5) and is not any more at step 8 (t = 1.75: 1 s after)."""

@@ -14,18 +14,10 @@ from engine.core.protocol import (
     TokenLogprob,
 )
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
 from engine.core.seeds import derive_seed
-from tests.engine.fakes import (
-    Collected,
-    collect,
-    expected_outputs,
-    make_scheduler,
-    next_token,
-    params,
-    run,
-    step,
-)
+from engine.sched.scheduler import Scheduler
+from engine.simulation import make_scheduler, next_token
+from tests.engine.fakes import Collected, collect, expected_outputs, params, run, step
 
 
 # -- batching ----------------------------------------------------------------------------------

@@ -8,15 +8,15 @@ Write audit: a chunk whose slot mapping would write into a shared or cached bloc
 of the step and kept in `violations`, for the Scheduler to fail its request.
 
 Fair share: with a PrefillCap, a prefill chunk also stays within its tenant's limit there
-(engine/core/fair_share.py); decodes never do.
+(engine/sched/fair_share.py); decodes never do.
 """
 
 from __future__ import annotations
 
 from engine.core.batch import ScheduledSeq, SchedulerOutput
-from engine.core.fair_share import PrefillCap
 from engine.core.sequence import Sequence
 from engine.kv.kv_cache_manager import KVCacheManager, WriteViolation
+from engine.sched.fair_share import PrefillCap
 
 
 class StepBuilder:

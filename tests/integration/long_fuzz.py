@@ -1,4 +1,5 @@
-"""Schema fuzzing of kvshare, the long run: tests/integration/test_fuzz.py without its caps.
+"""Schema fuzzing of kvshare, the long run: tests/integration/test_fuzz.py without its caps (a
+test run for a person to start, not a benchmark: it measures nothing).
 
 Starts `kvshare serve` (SmolLM2, the fuzzing caps of tests/integration/fuzzing.py) or uses a
 running one (--url), and sends schemathesis cases from the server's own /openapi.json and from
@@ -8,7 +9,7 @@ new cases). The checks are the test's (no 5xx; 4xx are OpenAI error envelopes na
 field; 2xx conform to OpenAI's response schemas; the app's document describes what was sent
 and answered), then the after-run check (healthy, nothing running or held, 0 leaked).
 
-    python benchmarks/fuzz.py --examples 50 --seconds 600 --out benchmarks/results/fuzz.json
+    python tests/integration/long_fuzz.py --examples 50 --seconds 600 --out fuzz.json
 
 Prints one line per operation (requests sent, statuses, findings, refusals by field) and writes
 the same as JSON. Exit status 0 when nothing was found, 1 otherwise.
@@ -24,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import httpx
 

@@ -3,7 +3,7 @@
 Admission order (scheduling_policy):
   fcfs                  queue order (preempted sequences go back to the front).
   fair-share            the head of the tenant with the least virtual token counter, lazily
-                        (engine/core/fair_share.py); queue order within a tenant.
+                        (engine/sched/fair_share.py); queue order within a tenant.
 Every policy first orders by priority (lower first, a stable sort: queue order among equals);
 under longest-prefix-first the prefix length then decides and priority breaks its ties.
   longest-prefix-first  the first LPF_WINDOW waiting sequences by cached prefix length
@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine.core.config import SCHEDULING_POLICIES
-from engine.core.fair_share import FairShare, by_priority
 from engine.core.sequence import Sequence
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.sched.fair_share import FairShare, by_priority
 
 LPF_WINDOW = 64  # waiting sequences looked up per step (a lookup costs O(tokens))
 LPF_MAX_WAIT_STEPS = 32  # the age bound of longest-prefix-first, in scheduler steps

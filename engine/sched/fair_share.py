@@ -31,9 +31,6 @@ from dataclasses import dataclass
 
 from engine.core.sequence import Sequence
 
-MIN_PRIORITY = -1_000_000  # the `priority` extension field's bounds (vLLM: lower runs first)
-MAX_PRIORITY = 1_000_000
-
 
 @dataclass(frozen=True)
 class FairShareWeights:

@@ -21,18 +21,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
-from engine.core.admission import AdmissionPolicy
-from engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
-from engine.core.fair_share import (
-    FairShare,
-    FairShareWeights,
-    PrefillCap,
-    blocks_by_tenant,
-    preemption_victim,
-    tenants_over_share,
+from engine.core.batch import (
+    CacheHit,
+    ModelRunnerOutput,
+    SampledToken,
+    ScheduledSeq,
+    SchedulerOutput,
 )
 from engine.core.protocol import (
     CompletionOutput,
@@ -41,31 +37,25 @@ from engine.core.protocol import (
     FinishReason,
     RequestOutput,
 )
-from engine.core.request_table import RequestTable
-from engine.core.scheduler_stats import SchedulerCounters, engine_stats
 from engine.core.seeds import random_seed
 from engine.core.sequence import Request, Sequence, SequenceStatus, make_namespace
 from engine.core.spec_ngram import NgramProposer
-from engine.core.spec_scheduling import SpecScheduling
-from engine.core.step_builder import StepBuilder
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.sched.admission import AdmissionPolicy
+from engine.sched.fair_share import (
+    FairShare,
+    FairShareWeights,
+    PrefillCap,
+    blocks_by_tenant,
+    preemption_victim,
+    tenants_over_share,
+)
+from engine.sched.request_table import RequestTable
+from engine.sched.scheduler_stats import SchedulerCounters, engine_stats
+from engine.sched.spec_scheduling import SpecScheduling
+from engine.sched.step_builder import StepBuilder
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CacheHit:
-    """A sequence admitted for the first time with a cached prefix (for the cache auditor).
-
-    cached_block_ids: the tree blocks it reused, in order (full blocks, then the source of
-    its partial copy); they cover its first num_cached_tokens prompt tokens.
-    """
-
-    seq_id: int
-    request_id: str
-    prompt_token_ids: list[int]  # read only
-    cached_block_ids: list[int]
-    num_cached_tokens: int
 
 
 class Scheduler:
@@ -83,13 +73,13 @@ class Scheduler:
     share, while two or more tenants are active (a live request, or the last one ended less
     than fair_share_active_seconds ago by `clock`), the prefill tokens of a step other than
     the least-served active tenant's share a cap of fair_share_prefill_tokens (0: no cap;
-    engine/core/fair_share.py PrefillCap). With record_cache_hits, every first admission
+    engine/sched/fair_share.py PrefillCap). With record_cache_hits, every first admission
     that reuses cached tokens is kept as a CacheHit for take_cache_hits() (the engine drains
     them every step for the auditor).
 
     With a `proposer`, decodes may carry a speculative draft (only in steps where at most
     speculative_max_decodes sequences decode; 0: any number): what is drafted and what a
-    verified step keeps is decided in engine/core/spec_scheduling.py.
+    verified step keeps is decided in engine/sched/spec_scheduling.py.
     """
 
     def __init__(

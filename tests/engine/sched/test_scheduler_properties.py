@@ -15,16 +15,9 @@ from hypothesis import strategies as st
 from engine.core.errors import ChoiceNotForked
 from engine.core.protocol import EngineRequest
 from engine.core.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
-from tests.engine.fakes import (
-    EOS_TOKEN_IDS,
-    VOCAB,
-    FakeRunner,
-    check_outputs,
-    collect,
-    make_scheduler,
-    step,
-)
+from engine.sched.scheduler import Scheduler
+from engine.simulation import VOCAB, SimulatedRunner, make_scheduler
+from tests.engine.fakes import EOS_TOKEN_IDS, check_outputs, collect, step
 
 MAX_MODEL_LEN = 32
 
@@ -53,7 +46,7 @@ def check_accounting(scheduler: Scheduler) -> None:
     assert scheduler.num_leaked_blocks() == 0
 
 
-def apply(scheduler: Scheduler, runner: FakeRunner, op: tuple, state: dict) -> None:
+def apply(scheduler: Scheduler, runner: SimulatedRunner, op: tuple, state: dict) -> None:
     kind = op[0]
     if kind == "add":
         _, prompt, n, max_tokens, min_tokens, ignore_eos, seed = op

@@ -5,20 +5,21 @@ another tenant's priority (no torch; exact seq and block ids)."""
 from __future__ import annotations
 
 from engine.core.protocol import EngineRequest
-from engine.core.scheduler import Scheduler
-from tests.engine.fakes import Collected, FakeRunner, collect, make_scheduler, params, run, step
+from engine.sched.scheduler import Scheduler
+from engine.simulation import SimulatedRunner, make_scheduler
+from tests.engine.fakes import Collected, collect, params, run, step
 
 
 def request(request_id: str, prompt: list[int], tenant: str, priority: int = 0, **kwargs):
     return EngineRequest(request_id, prompt, params(**kwargs), tenant=tenant, priority=priority)
 
 
-def tables(runner: FakeRunner) -> list[tuple[int, list[int]]]:
+def tables(runner: SimulatedRunner) -> list[tuple[int, list[int]]]:
     """The last step's scheduled sequences: (seq id, block table), in step order."""
     return [(s.seq_id, s.block_ids) for s in runner.steps[-1].seqs]
 
 
-Scenario = tuple[Scheduler, FakeRunner, dict[str, Collected]]
+Scenario = tuple[Scheduler, SimulatedRunner, dict[str, Collected]]
 
 
 def urgent_tenant_beside_a_small_one(policy: str) -> Scenario:

@@ -1,0 +1,108 @@
+"""The scheduler over real KV memory with no model: a simulated runner for the scheduler's tests
+and the benchmarks that simulate serving (torch-free, as SGLang builds its radix cache "for
+simulation").
+
+The simulated model: output token t of a choice is a pure function of (its prompt, its seed, t),
+like the real sampler's draw (invariant 4). The runner computes it from what the scheduler hands
+it (the SampleSpec's prompt, seeds and output_index), so a token drawn at the wrong output index,
+or a choice that gets another choice's token, shows up as a wrong output in a test's oracle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
+from engine.kv.block_pool import BlockPool
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.sched.scheduler import Scheduler
+
+VOCAB = 64
+BLOCK_SIZE = 4
+
+
+def next_token(prompt: Sequence[int], seed: int, output_index: int) -> int:
+    """The simulated model's output token `output_index` (t) for a choice seeded `seed`.
+
+    With seed 0 a choice counts on from its prompt's last token (prompt [.., 6] gives 7, 8,
+    9, ...), which keeps the scenario tests' numbers readable.
+    """
+    return (prompt[-1] + 1 + output_index + seed) % VOCAB
+
+
+class SimulatedRunner:
+    """Simulated KV memory holding one token id per slot, in place of a ModelRunner.
+
+    Each step it applies the block copies, writes every scheduled token into its slot, then
+    reads each scheduled sequence's whole context back through its block table and asserts it
+    equals the sequence's tokens: a sharing, copy-on-write or slot bug fails there. The sampled
+    tokens come from next_token(spec prompt, seed, spec output_index).
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        manager = scheduler.kv_cache_manager
+        self.scheduler = scheduler
+        self.block_size = manager.block_size
+        self.kv: list[int | None] = [None] * (manager.num_total_blocks * self.block_size)
+        self.steps: list[SchedulerOutput] = []
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps.append(out)
+        blocks = [self._block(copy.src) for copy in out.block_copies]  # gather, then scatter
+        for copy, content in zip(out.block_copies, blocks, strict=True):
+            self.kv[copy.dst * self.block_size : (copy.dst + 1) * self.block_size] = content
+        tokens = [token for scheduled in out.seqs for token in scheduled.token_ids]
+        assert len(tokens) == len(out.slot_mapping)
+        for slot, token in zip(out.slot_mapping, tokens, strict=True):
+            self.kv[slot] = token
+        return ModelRunnerOutput({s.seq_id: self._sample(s) for s in out.seqs if s.sample})
+
+    def _block(self, block_id: int) -> list[int | None]:
+        return self.kv[block_id * self.block_size : (block_id + 1) * self.block_size]
+
+    def _sample(self, scheduled: ScheduledSeq) -> list[SampledToken]:
+        size = self.block_size
+        context = [
+            self.kv[scheduled.block_ids[p // size] * size + p % size]
+            for p in range(scheduled.context_len)
+        ]
+        seq = self.scheduler.get_seq(scheduled.seq_id)
+        assert context == seq.token_slice(0, scheduled.context_len), f"seq {seq.seq_id}"
+        spec = scheduled.sample
+        sampled = [
+            SampledToken(next_token(spec.prompt_token_ids, seed, spec.output_index))
+            for seed in spec.seeds
+        ]
+        if spec.sampling_params.logprobs is not None:
+            for token in sampled:
+                token.logprob, token.top_logprobs = -0.5, [(token.token_id, -0.5)]
+        return sampled
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 128,
+    eos_token_ids: tuple[int, ...] = (),
+    enable_prefix_cache: bool = False,
+    scheduling_policy: str = "fcfs",
+    **options: Any,
+) -> tuple[Scheduler, SimulatedRunner]:
+    """A Scheduler over a KVCacheManager of `num_blocks` blocks of BLOCK_SIZE tokens, and its
+    simulated runner. `options`: other Scheduler keyword arguments (fair_share_prefill_tokens,
+    clock...)."""
+    pool = BlockPool(num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    manager = KVCacheManager(pool, enable_prefix_cache=enable_prefix_cache)
+    scheduler = Scheduler(
+        manager,
+        max_num_seqs,
+        max_num_batched_tokens,
+        max_model_len,
+        eos_token_ids,
+        weights_version="w0",
+        scheduling_policy=scheduling_policy,
+        **options,
+    )
+    return scheduler, SimulatedRunner(scheduler)
