@@ -267,13 +267,20 @@ def _sources_digest():
     return digest
 
 
-def _compile(compiler: str, isa: str, target: Path, sources: tuple[Path, ...] = SOURCES) -> None:
-    """`sources` (default: this tree's) built for `isa` into target."""
+def _compile(
+    compiler: str,
+    isa: str,
+    target: Path,
+    sources: tuple[Path, ...] = SOURCES,
+    extra_flags: tuple[str, ...] = (),
+) -> None:
+    """`sources` (default: this tree's) built for `isa` into target; `extra_flags` after the
+    level's own (benchmarks/ab.py relaxes a check for the sources of another tree)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build aside and rename: concurrent starts never load a half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        flags = [*compile_flags(isa), "-fPIC"]
+        flags = [*compile_flags(isa), *extra_flags, "-fPIC"]
         logger.info("building the native CPU kernels for %s: %s", isa, " ".join(flags))
         # One compiler per source, as many at once as there are cores (the largest first: it
         # takes longest), then one link.
