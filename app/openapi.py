@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from app.errors import ANTHROPIC_PREFIX
 from app.limits import RequestLimits
 from app.settings import Settings
+from app.streaming import SSE_EVENT_SCHEMA
 from engine.core.seeds import MAX_SEED
 
 
@@ -100,7 +101,7 @@ def stream_responses(final: type[BaseModel], chunk: type[BaseModel]) -> dict[int
         f"`{final.__name__}`; with `stream: true`, Server-Sent Events: `data: <{chunk.__name__}>`"
         " lines, ending with `data: [DONE]`."
     )
-    sse = {"schema": {"type": "string"}}
+    sse = {"schema": SSE_EVENT_SCHEMA}
     return {
         200: {"model": final, "description": description, "content": {"text/event-stream": sse}}
     }

@@ -32,6 +32,13 @@ T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see traffic
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# One Server-Sent Event as the OpenAPI document declares text/event-stream (an item of the stream,
+# as OpenAPI 3.2's itemSchema and schemathesis read it): its fields, `data` a JSON text or [DONE].
+SSE_EVENT_SCHEMA = {
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "required": ["data"],
+}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
 _END = object()
 

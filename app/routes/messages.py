@@ -33,7 +33,12 @@ from app.errors import APIError, param_path
 from app.request_models import CacheDiagnosticsOptions, ChatCompletionRequest
 from app.routes.deps import AdmittedServing, ReadyServing, Record, get_state
 from app.serving import OpenAIServing, Prepared, RequestRecord, diagnostics_scope
-from app.streaming import CLIENT_CLOSED_REQUEST, ClientDisconnected, cancel_on_disconnect
+from app.streaming import (
+    CLIENT_CLOSED_REQUEST,
+    SSE_EVENT_SCHEMA,
+    ClientDisconnected,
+    cancel_on_disconnect,
+)
 from engine.core.errors import ParamError
 
 router = APIRouter()
@@ -83,7 +88,7 @@ _MESSAGE_200 = {
         " (message_start ... message_stop).",
         "content": {
             "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            "text/event-stream": {"schema": SSE_EVENT_SCHEMA},
         },
     }
 }

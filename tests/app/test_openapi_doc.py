@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jsonschema
 import pytest
 from fake_engine import FakeEngine
 from helpers import chat_body, make_settings, open_client
@@ -60,7 +61,12 @@ async def test_generation_routes_declare_json_and_event_stream(client) -> None:
     for path, final in ((CHAT, "ChatCompletionResponse"), (COMPLETIONS, "CompletionResponse")):
         ok = declared(doc, path, "post")["200"]
         assert ok["content"]["application/json"]["schema"]["$ref"].endswith(final)
-        assert "text/event-stream" in ok["content"]
+        event_schema = ok["content"]["text/event-stream"]["schema"]
+        # An event as an SSE parser (schemathesis) yields it, and the document's schema agree.
+        jsonschema.validate({"event": "message_start", "data": '{"type": "x"}'}, event_schema)
+        jsonschema.validate({"data": "[DONE]"}, event_schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate("data: [DONE]", event_schema)
         statuses = set(declared(doc, path, "post"))
         assert {"400", "404", "413", "429", "500", "503"} <= statuses
         assert "401" not in statuses  # no api_keys configured
