@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cache_report(args: argparse.Namespace) -> int:
     from urllib.error import HTTPError, URLError
 
-    from app.cache_report import fetch_report, format_report
+    from app.diagnostics.cache_report import fetch_report, format_report
 
     try:
         report = fetch_report(args.url, args.api_key, args.cache_salt)

@@ -2,10 +2,10 @@
 
 FastAPI's own document knows only the 200s and a 422 this server never sends (validation
 errors are 400s, app/errors.py). Here every status a route can return is declared with the
-OpenAI error envelope as its schema, the request caps the server enforces (app/limits.py,
+OpenAI error envelope as its schema, the request caps the server enforces (app/serving/limits.py,
 from this app's settings) are written onto the request schemas, and the bearer scheme is
 declared when API keys are configured. The ranges that never change (temperature 0..2, ...)
-come from the pydantic fields themselves (app/request_models.py).
+come from the pydantic fields themselves (app/openai/request_models.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from app.errors import ANTHROPIC_PREFIX
-from app.limits import RequestLimits
+from app.serving.limits import RequestLimits
 from app.settings import Settings
 from app.streaming import SSE_EVENT_SCHEMA
 from engine.core.seeds import MAX_SEED
@@ -88,7 +88,7 @@ ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("/debug/kv_blocks", "get"): (404, 500, 503),
     ("/debug/cache_report", "get"): (400, 404, 500, 503),
 }
-# app/server.py's ApiKeyMiddleware guards these, but the operator's (OperatorKeyMiddleware)
+# app/middleware.py's ApiKeyMiddleware guards these, but the operator's (OperatorKeyMiddleware)
 KEYED_PREFIXES = ("/v1/", "/debug/", "/tokenize", "/detokenize")
 OPERATOR_PATHS = ("/metrics", "/debug/faults", "/debug/kv_blocks")
 _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
@@ -160,8 +160,8 @@ def declare_errors(document: dict[str, Any], settings: Settings) -> None:
 
 
 def declare_limits(document: dict[str, Any], limits: RequestLimits) -> None:
-    """Write the caps of app/limits.py onto the request schemas (the server refuses past them
-    with a 400 naming the field)."""
+    """Write the caps of app/serving/limits.py onto the request schemas (the server refuses
+    past them with a 400 naming the field)."""
     schemas = document.get("components", {}).get("schemas", {})
     _integer_bounds(schemas)
     for name in ("ChatCompletionRequest", "CompletionRequest"):

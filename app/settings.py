@@ -44,7 +44,7 @@ class ServerSettings(BaseModel):
     max_waiting_requests: int = Field(default=256, ge=1)
     # Fair share (docs/fair-scheduling.md): without api_keys, the `user` field as the tenant.
     tenant_from_user: bool = False
-    # Per-tenant limits (app/tenant_load.py), each a 429 with Retry-After; None: off.
+    # Per-tenant limits (app/serving/tenant_load.py), each a 429 with Retry-After; None: off.
     max_running_requests_per_tenant: int | None = Field(default=None, ge=1)
     max_waiting_requests_per_tenant: int | None = Field(default=None, ge=1)
     max_waiting_prompt_tokens_per_tenant: int | None = Field(default=None, ge=1)
@@ -61,7 +61,8 @@ class ServerSettings(BaseModel):
     cache_history_size: int = Field(default=256, ge=0)  # prompts kept per tenant; 0: off
     strip_volatile_system_lines: bool = False  # /v1/messages: drop an agent's billing line
     cors_allow_origins: tuple[str, ...] = ()
-    # Caps on what one request may ask for (app/limits.py); over one: a 400 naming the field.
+    # Caps on what one request may ask for (app/serving/limits.py); over one: a 400 naming the
+    # field.
     max_n: int = Field(default=128, ge=1)
     max_output_tokens: int = Field(default=32768, ge=1)
     max_prompts: int = Field(default=64, ge=1)
@@ -73,7 +74,7 @@ class ServerSettings(BaseModel):
     max_logprob_entries: int = Field(default=1 << 20, ge=1)
     max_top_logprobs: int = Field(default=20, ge=0, le=20)
     max_tools: int = Field(default=128, ge=1)
-    # Stored responses (app/response_store.py): the SQLite file and its bounds.
+    # Stored responses (app/responses/store.py): the SQLite file and its bounds.
     store_path: str | None = None  # None: <cache dir>/responses.sqlite3
     store_max_responses: int = Field(default=10000, ge=1)
     store_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1024)

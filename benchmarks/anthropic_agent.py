@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run_variant(args, flags: tuple[str, ...], billing: bool) -> list[Turn]:
     if args.url:
         return run_conversation(args.url, billing)
-    from benchmarks.serving import running_kvshare
+    from benchmarks.servers import running_kvshare
 
     with running_kvshare(*flags, *args.server_args.split()) as url:
         return run_conversation(url, billing)

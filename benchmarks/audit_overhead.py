@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import build_workload
+from benchmarks.workloads import build_workload
 from engine.audit.auditor import Auditor
 from engine.core.config import EngineConfig
 from engine.core.protocol import EngineRequest

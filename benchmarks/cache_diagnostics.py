@@ -27,7 +27,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import running_kvshare, scrape
+from benchmarks.servers import running_kvshare, scrape
 
 STATIC = (
     "You are the support assistant of Northwind Outfitters, a shop for hiking and camping "

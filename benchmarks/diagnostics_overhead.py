@@ -47,15 +47,9 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.serving import (  # noqa: E402
-    BenchmarkConfig,
-    free_port,
-    proc_cpu_seconds,
-    run_benchmark,
-    start_server,
-    stop_server,
-    summarize,
-)
+from benchmarks.run_summary import summarize  # noqa: E402
+from benchmarks.servers import free_port, proc_cpu_seconds, start_server, stop_server  # noqa: E402
+from benchmarks.serving import BenchmarkConfig, run_benchmark  # noqa: E402
 
 API_KEY = "diagnostics-overhead-key"
 DIAGNOSIS_MODULE = "engine/kv/cache_diagnosis.py"

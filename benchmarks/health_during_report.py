@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.url:
         return report(args, args.url)
-    from benchmarks.serving import running_kvshare
+    from benchmarks.servers import running_kvshare
 
     with running_kvshare("--max-messages", str(args.messages)) as url:
         return report(args, url)

@@ -32,18 +32,15 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.run_summary import percentile, summarize
+from benchmarks.servers import free_port, start_server, stop_server
+from benchmarks.serving import (
     BenchmarkConfig,
     RequestResult,
     discover_model,
-    free_port,
-    percentile,
     run_benchmark,
-    start_server,
-    stop_server,
     stream_chat,
-    summarize,
 )
 
 REPO = Path(__file__).resolve().parent.parent

@@ -32,15 +32,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import (
-    BenchmarkConfig,
-    RequestResult,
-    Summary,
-    report_json,
-    run_benchmark,
-    running_kvshare,
-    summarize,
-)
+from benchmarks.run_summary import Summary, summarize
+from benchmarks.servers import running_kvshare
+from benchmarks.serving import BenchmarkConfig, RequestResult, report_json, run_benchmark
 
 MODES = {"on": (), "off": ("--no-prefix-cache",)}  # server flags per cache mode
 WORKLOADS = ("shared-prefix", "multi-turn")

@@ -47,11 +47,7 @@ processes inflate far less; bounds are then measured at one thread too.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
-import functools
-import importlib
-import importlib.util
 import json
 import os
 import random
@@ -60,111 +56,15 @@ import sys
 import time
 from pathlib import Path
 
+from http_share import http_share, load_client
+from step_timers import BUCKETS, Timers, install_hooks
+
 HERE = Path(__file__).resolve().parent
 PROMPT_TOKENS = 240
 PREFILL_TOKENS = 512
-BUCKETS = (
-    "projections", "attention", "elementwise", "native layers", "LM head", "sampling", "scheduling"
-)  # fmt: skip
-# (module, attribute path, bucket): what the hooks wrap; a missing one is skipped (older trees).
-HOOKS = (
-    ("engine.runtime.cpu.linear", "PackedLinear.forward", "projections"),
-    ("torch.nn", "Linear.forward", "projections"),
-    # Newer trees: GGUF blocks computed as stored (quantization native / q8_0), fp16 on fbgemm.
-    ("engine.runtime.cpu.block_linear", "BlockLinear.forward", "projections"),
-    ("engine.runtime.cpu.quant", "Fp16Linear.forward", "projections"),
-    ("engine.runtime.cpu.block_linear", "BlockEmbedding.forward", "elementwise"),
-    ("engine.runtime.models.llama", "RMSNorm.forward", "elementwise"),
-    ("engine.runtime.models.llama", "LlamaAttention._rope", "elementwise"),
-    ("engine.runtime.models.llama", "RotaryEmbedding.lookup", "elementwise"),
-    ("engine.runtime.cpu.fused", "CpuFusedOps.rms_norm", "elementwise"),
-    ("engine.runtime.cpu.fused", "CpuFusedOps.silu_mul", "elementwise"),
-    ("engine.runtime.cpu.fused", "CpuFusedOps.rope", "elementwise"),
-    ("engine.runtime.cpu.fused", "CpuFusedOps.add_rms_norm", "elementwise"),
-    # Newer trees: rope on q and k fused into the KV store, counted with the store.
-    ("engine.runtime.cpu.fused", "CpuFusedOps.rope_store", "attention"),
-    ("torch.nn", "Embedding.forward", "elementwise"),
-    ("engine.runtime.models.llama", "LlamaForCausalLM.compute_logits", "LM head"),
-    # Newer trees: greedy rows' tokens from GreedyHead, without all the logits.
-    ("engine.runtime.models.llama", "LlamaForCausalLM.greedy_tokens", "LM head"),
-    # Newer trees: a step's whole layer stack in one native call (decode_step.cpp).
-    ("engine.runtime.cpu.decode_step", "NativeDecodeStep.run", "native layers"),
-    ("engine.runtime.sampler", "Sampler.__call__", "sampling"),
-    ("engine.sched.scheduler", "Scheduler.schedule", "scheduling"),
-    ("engine.sched.scheduler", "Scheduler.update_from_output", "scheduling"),
-)
-ATTENTION_METHODS = ("store_kv", "forward")
 # The clock every figure uses: wall time, or with --clock cpu this thread's CPU time (with
 # --threads 1 all the work runs on it), which a loaded machine's other processes inflate less.
 _clock = time.perf_counter
-
-
-# ---------------------------------------------------------------- timing hooks
-
-
-class Timers:
-    """Wall time per bucket; a call made while another timed call runs is not timed again."""
-
-    def __init__(self) -> None:
-        self.enabled = False
-        self.busy = False
-        self.seconds = dict.fromkeys(BUCKETS, 0.0)
-        self.num_calls = 0
-
-    def wrap(self, fn, bucket: str):
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            if not self.enabled or self.busy:
-                return fn(*args, **kwargs)
-            self.busy = True
-            started = _clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[bucket] += _clock() - started
-                self.num_calls += 1
-                self.busy = False
-
-        return timed
-
-    def reset(self) -> None:
-        self.seconds = dict.fromkeys(BUCKETS, 0.0)
-        self.num_calls = 0
-
-    def cost_per_call(self) -> float:
-        """Seconds a wrapper adds to one call (measured on a no-op)."""
-        noop = self.wrap(lambda: None, "sampling")
-        plain = lambda: None  # noqa: E731
-        self.enabled, n = True, 20000
-        started = _clock()
-        for _ in range(n):
-            noop()
-        wrapped = _clock() - started
-        started = _clock()
-        for _ in range(n):
-            plain()
-        self.enabled = False
-        self.reset()
-        return max(0.0, (wrapped - (_clock() - started)) / n)
-
-
-def install_hooks(timers: Timers, engine) -> list[str]:
-    """Wrap every HOOKS entry that exists (class attributes) and the engine's attention backend
-    (instance attributes); returns what was wrapped."""
-    wrapped = []
-    for module_name, path, bucket in HOOKS:
-        owner_name, attr = path.split(".")
-        owner = getattr(importlib.import_module(module_name), owner_name, None)
-        if owner is None or attr not in vars(owner):
-            continue
-        setattr(owner, attr, timers.wrap(vars(owner)[attr], bucket))
-        wrapped.append(f"{module_name}.{path}")
-    backend = engine.runner.attn_backend
-    for name in ATTENTION_METHODS:
-        if hasattr(backend, name):
-            setattr(backend, name, timers.wrap(getattr(backend, name), "attention"))
-            wrapped.append(f"attn_backend.{name}")
-    return wrapped
 
 
 # ---------------------------------------------------------------- the machine's bounds
@@ -363,87 +263,6 @@ def _row(name, plain, hooked, buckets, rows, kv_read, pairs, sampled) -> dict:
     }
 
 
-# ---------------------------------------------------------------- HTTP vs offline
-
-
-def _serving_module():
-    # By path: with --repo an older tree, `benchmarks` on sys.path is that tree's package.
-    spec = importlib.util.spec_from_file_location("kvshare_bench_serving", HERE / "serving.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def start_kvshare(serving, repo: Path):
-    """`kvshare serve --config config/cpu.yaml` from `repo` on a free port: (process, URL)."""
-    port = serving.free_port()
-    command = [sys.executable, "-m", "app.cli", "serve", "--config", "config/cpu.yaml"]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    base_url = f"http://127.0.0.1:{port}"
-    env = {"PYTHONPATH": str(repo)}  # OMP_WAIT_POLICY and KVSHARE_NUM_THREADS are inherited
-    return serving.start_server(command, f"{base_url}/ready", cwd=repo, env=env), base_url
-
-
-def _process_clock() -> float:
-    # CPU mode: the whole process (the engine's own threads), as the server is measured.
-    return time.process_time() if _clock is time.thread_time else _clock()
-
-
-async def _http_batch(serving, base_url: str, prompts, max_tokens: int) -> float:
-    import httpx
-
-    model = None
-    async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
-        model = await serving.discover_model(client, f"{base_url}/v1")
-        bodies = [
-            {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0,
-             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-            for p in prompts
-        ]  # fmt: skip
-        url = f"{base_url}/v1/completions"
-        started = _clock()
-        results = await asyncio.gather(
-            *(serving.stream_chat(client, url, b, serving.RequestResult(i, 0)) for i, b in
-              enumerate(bodies))
-        )  # fmt: skip
-        elapsed = _clock() - started
-    bad = [r.error for r in results if not r.ok or r.output_tokens != max_tokens]
-    if bad:
-        raise RuntimeError(f"HTTP requests failed: {bad[:2]}")
-    return elapsed
-
-
-def http_share(engine, serving, repo: Path, batches: list[int], rng, max_tokens=64) -> list[dict]:
-    """Offline vs HTTP wall time of the same batch of requests, per batch size."""
-    from engine.core.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    batch_prompts = {b: [_prompt(rng, PROMPT_TOKENS) for _ in range(b)] for b in batches}
-    offline = {}
-    for batch, prompts in batch_prompts.items():
-        started = _process_clock()
-        engine.generate(prompts, params)
-        offline[batch] = _process_clock() - started
-    process, base_url = start_kvshare(serving, repo)
-    rows = []
-    try:
-        asyncio.run(_http_batch(serving, base_url, [_prompt(rng, 32)], 4))  # warm-up
-        for batch, prompts in batch_prompts.items():
-            cpu_before = serving.proc_cpu_seconds(Path(f"/proc/{process.pid}/stat"))
-            http = asyncio.run(_http_batch(serving, base_url, prompts, max_tokens))
-            if _clock is time.thread_time:  # the server's CPU seconds, not the wall time
-                http = serving.proc_cpu_seconds(Path(f"/proc/{process.pid}/stat")) - cpu_before
-            rows.append({
-                "batch": batch, "offline_s": offline[batch], "http_s": http,
-                "offline_tok_s": batch * max_tokens / offline[batch],
-                "http_tok_s": batch * max_tokens / http, "share": 1 - offline[batch] / http,
-            })  # fmt: skip
-    finally:
-        serving.stop_server(process)
-    return rows
-
-
 # ---------------------------------------------------------------- report
 
 
@@ -505,7 +324,7 @@ def _parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     global _clock
     args = _parse_args(argv)
-    serving = _serving_module()
+    client = load_client()  # before sys.path leads to `repo`
     if args.clock == "cpu":
         _clock = time.thread_time
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # idle OpenMP threads must not spin
@@ -540,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclasses.replace(config, native_decode=args.native_decode == "on")
     engine = LLMEngine(config)
     spec = LlamaSpec.from_hf_config(engine.runner.hf_config)
-    timers = Timers()
+    timers = Timers(_clock)
     wrapped = install_hooks(timers, engine)
     cost = timers.cost_per_call()
     rng = random.Random(0)
@@ -558,7 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     print(format_tables(machine, rows, [], 1e6 * cost), flush=True)
     http = []
     if args.http_batches:
-        http = http_share(engine, serving, repo, args.http_batches, rng)
+        batch_prompts = {
+            b: [_prompt(rng, PROMPT_TOKENS) for _ in range(b)] for b in args.http_batches
+        }
+        http = http_share(engine, client, repo, batch_prompts, _prompt(rng, 32), _clock)
         print(format_tables(machine, [], http, 1e6 * cost).split("\n", 2)[2])
     if out is not None:
         report = {"repo": str(repo), "machine": machine, "rows": rows, "http": http,

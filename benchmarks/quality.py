@@ -80,7 +80,7 @@ def measure(mode: str, token_ids: list[int], args: argparse.Namespace) -> dict:
     engine = make_engine(mode, args.threads, max_num_seqs=8)
     score = score_text(engine.runner, token_ids, args.chunk_tokens)
     # Where prompt and generated tokens take different kernel paths (AMX tiles for the prompt,
-    # model_runner.tile_rows), the text is also scored on the generated tokens' path.
+    # step_inputs.tile_rows), the text is also scored on the generated tokens' path.
     generated = None
     if engine.runner.tile_prompts:
         generated = score_text(engine.runner, token_ids, args.chunk_tokens, as_prompt=False)

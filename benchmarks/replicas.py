@@ -11,22 +11,18 @@ kvshare_prefix_cache_hits_total / kvshare_prefix_cache_queries_total deltas of t
 
     python benchmarks/replicas.py --out benchmarks/results/replicas.json
 
-Rounds interleave the three targets (cache_aware, round_robin, single) so that drift in the
-machine's load hits all of them alike. The replicas stay up across policies; every (round,
-target, workload) gets its own seed, so no run finds the prompts of an earlier one in the
-cache. Everything is bounded: few requests, short outputs, a time limit per run. It talks
-only to 127.0.0.1 and is never part of `make test`.
+Rounds interleave the three targets (cache_aware, round_robin, single), so that drift in the
+machine's load hits all alike; the replicas stay up across policies and every (round, target,
+workload) has its own seed, so no run finds an earlier one's prompts cached. Everything is
+bounded (few requests, short outputs, a time limit per run), talks only to 127.0.0.1 and is
+never part of `make test`.
 
-Users pause before each later turn (--think-time, exponential, mean 1 s), as people do; without
-pauses a closed loop of equally long requests cycles through the conversations in a fixed
-order, and with an even number of them round-robin sends every turn of a conversation to the
-same replica by accident. The drill runs once per KV pool size in --kv-blocks-per-replica
-(fresh replicas each time): 'config' gives every replica the config's pool (1 GiB on CPU, ample
-here), so round-robin loses only the turns it sends away from the newest history; a number N
-gives each replica N blocks and the single baseline 2N (the same cores and the same KV memory
-in total), a fleet whose users' histories outgrow one replica's pool. Each run reports the
-full KV blocks of history its multi-turn conversations leave behind (history_blocks) to set N
-against.
+Users pause before each later turn (--think-time, exponential, mean 1 s): without pauses
+round-robin would send every turn of a conversation to the same replica by accident of the
+order. One drill per KV pool in --kv-blocks-per-replica (fresh replicas each time): 'config'
+(ample here), or N blocks per replica and 2N for the single baseline (the same cores and KV
+memory in total), a fleet whose histories outgrow a replica's pool; history_blocks, the full
+KV blocks the multi-turn histories leave, is what to set N against.
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,25 +41,32 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import serving  # benchmarks/serving.py: the project's serving client and workloads
+from benchmarks import serving  # the project's serving client
+from benchmarks.replicas_report import (
+    POLICIES,
+    TARGETS,
+    WORKLOADS,
+    Run,
+    aggregate,
+    block_size_in,
+    counters,
+    format_table,
+    goal,
+    history_blocks,
+    pool_label,
+)
+from benchmarks.run_summary import Summary, summarize
+from benchmarks.servers import free_port
+from benchmarks.serving import RequestResult
 
 ROUTER_PACKAGE = "sglang-router"
 ROUTER_VERSION = "0.3.2"
-POLICIES = ("cache_aware", "round_robin")
-TARGETS = (*POLICIES, "single")
-WORKLOADS = ("multi-turn", "many-system-prompts")
 # KV pool per replica in blocks, one drill each (None: the config's pool, ample here).
 DEFAULT_POOLS = (None, 150, 100, 75)
 REPO_ROOT = Path(__file__).resolve().parent.parent
-HITS = "kvshare_prefix_cache_hits_total"
-QUERIES = "kvshare_prefix_cache_queries_total"
-EVICTIONS = "kvshare_kv_evictions_total"
-CACHE_CONFIG = "kvshare_cache_config_info"
 SGLANG_PROBES = ("/server_info", "/get_server_info", "/model_info", "/get_model_info")
 
 
@@ -85,31 +87,7 @@ class DrillConfig:
     log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvshare-drill-")))
 
 
-@dataclass
-class Run:
-    """One workload through one target in one round, with one KV pool size per replica."""
-
-    pool: int | None
-    round: int
-    target: str
-    workload: str
-    seed: int
-    hits: float
-    queries: float
-    per_replica_queries: list[float]
-    evicted_blocks: int  # blocks the replicas' prefix caches evicted during the run
-    history_blocks: int  # full blocks of the conversations' histories at the end of the run
-    summary: dict
-    ttft_s: list[float] = field(default_factory=list)
-
-
 # ---------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def ensure_router() -> None:
@@ -145,41 +123,15 @@ def replica_argv(
 ) -> list[str]:
     kvshare = Path(sys.executable).parent / "kvshare"
     pool = [] if num_kv_blocks is None else ["--num-kv-blocks", str(num_kv_blocks)]
-    return [
-        str(kvshare),
-        "serve",
-        "--config",
-        config_path,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--num-threads",
-        str(num_threads),
-        *pool,
-    ]
+    return [str(kvshare), "serve", "--config", config_path, "--host", "127.0.0.1",
+            "--port", str(port), "--num-threads", str(num_threads), *pool]  # fmt: skip
 
 
 def gateway_argv(port: int, worker_urls: list[str], policy: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "sglang_router.launch_router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(free_port()),
-        "--policy",
-        policy,
-        "--log-level",
-        "warn",
-        "--worker-urls",
-        *worker_urls,
-    ]
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+            "--port", str(port), "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(free_port()), "--policy", policy, "--log-level", "warn",
+            "--worker-urls", *worker_urls]  # fmt: skip
 
 
 def wait_until(check, timeout_s: float, what: str, child: subprocess.Popen) -> None:
@@ -212,44 +164,9 @@ def scrape(url: str) -> str:
     return httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
 
 
-def samples(text: str) -> list[Sample]:
-    """Every sample of a /metrics text (prometheus_client's parser of the text format)."""
-    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
-
-
-def counters(text: str) -> tuple[float, float, float]:
-    """(hits, queries, evicted blocks): a /metrics text's prefix-cache and eviction counters,
-    each summed over its label sets."""
-    totals = {HITS: 0.0, QUERIES: 0.0, EVICTIONS: 0.0}
-    for sample in samples(text):
-        if sample.name in totals:
-            totals[sample.name] += sample.value
-    return totals[HITS], totals[QUERIES], totals[EVICTIONS]
-
-
-def block_size_in(text: str) -> int:
-    """Tokens per KV block, from the kvshare_cache_config_info gauge of a /metrics text."""
-    for sample in samples(text):
-        if sample.name == CACHE_CONFIG:
-            return int(sample.labels["block_size"])
-    raise RuntimeError(f"/metrics has no {CACHE_CONFIG} sample")
-
-
-def history_blocks(results: list[serving.RequestResult], block_size: int) -> int:
-    """Full KV blocks of each conversation's history after its last completed turn, summed over
-    the conversations: what the prefix cache keeps of it (the prompt and the answer but its
-    last token, whose KV is never computed). A prefix that conversations share, such as the
-    chat template's default system prompt, counts once in each."""
-    last: dict[int, serving.RequestResult] = {}
-    for r in results:
-        if r.ok and (r.conversation_id not in last or r.turn > last[r.conversation_id].turn):
-            last[r.conversation_id] = r
-    return sum((r.prompt_tokens + r.output_tokens - 1) // block_size for r in last.values())
-
-
 def run_workload(
     drill: DrillConfig, base_url: str, model: str, workload: str, seed: int
-) -> tuple[serving.Summary, list[serving.RequestResult]]:
+) -> tuple[Summary, list[RequestResult]]:
     config = serving.BenchmarkConfig(
         base_url=f"{base_url}/v1",
         model=model,
@@ -262,7 +179,7 @@ def run_workload(
         timeout_s=drill.timeout_s,
     )
     results, duration_s = asyncio.run(serving.run_benchmark(config))
-    return serving.summarize(results, workload, config.num_requests, duration_s), results
+    return summarize(results, workload, config.num_requests, duration_s), results
 
 
 def measure(
@@ -301,88 +218,6 @@ def measure(
         summary=asdict(summary),
         ttft_s=ttft,
     )
-
-
-def aggregate(runs: list[Run]) -> list[dict]:
-    """One row per (target, workload), pooled over rounds."""
-    rows = []
-    for workload in WORKLOADS:
-        for target in TARGETS:
-            mine = [r for r in runs if r.target == target and r.workload == workload]
-            if not mine:
-                continue
-            hits, queries = sum(r.hits for r in mine), sum(r.queries for r in mine)
-            ttft = [t for r in mine for t in r.ttft_s]
-            output_tokens = sum(r.summary["output_tokens"] for r in mine)
-            duration_s = sum(r.summary["duration_s"] for r in mine)
-            rows.append(
-                {
-                    "workload": workload,
-                    "target": target,
-                    "rounds": len(mine),
-                    "completed": sum(r.summary["completed"] for r in mine),
-                    "planned": sum(r.summary["num_requests"] for r in mine),
-                    "hit_rate": hits / queries if queries else 0.0,
-                    "ttft_p50_s": serving.percentile(ttft, 50) if ttft else None,
-                    "ttft_p99_s": serving.percentile(ttft, 99) if ttft else None,
-                    "output_tok_s": output_tokens / duration_s if duration_s else 0.0,
-                    "history_blocks": max(r.history_blocks for r in mine),
-                    "evicted_blocks": sum(r.evicted_blocks for r in mine),
-                    "replica_query_split": [
-                        sum(r.per_replica_queries[i] for r in mine)
-                        for i in range(len(mine[0].per_replica_queries))
-                    ],
-                }
-            )
-    return rows
-
-
-def goal(rows: list[dict]) -> dict:
-    """Multi-turn: cache_aware >= 0.9x single's hit rate and >= 1.5x round_robin's."""
-    rate = {r["target"]: r["hit_rate"] for r in rows if r["workload"] == "multi-turn"}
-    vs_single = rate["cache_aware"] / rate["single"] if rate.get("single") else None
-    vs_rr = rate["cache_aware"] / rate["round_robin"] if rate.get("round_robin") else None
-    return {
-        "cache_aware_vs_single": vs_single,
-        "cache_aware_vs_round_robin": vs_rr,
-        "met": vs_single is not None and vs_rr is not None and vs_single >= 0.9 and vs_rr >= 1.5,
-    }
-
-
-def pool_label(pool: int | None) -> str:
-    return "the config's KV pool" if pool is None else f"{pool} KV blocks per replica"
-
-
-def format_table(rows: list[dict], check: dict, pool: int | None) -> str:
-    single_pool = "the same" if pool is None else f"{2 * pool} blocks"
-    history = max((r["history_blocks"] for r in rows if r["workload"] == "multi-turn"), default=0)
-    lines = [
-        f"{pool_label(pool)} (single: {single_pool}); the multi-turn conversations' "
-        f"histories add up to {history} blocks",
-        "",
-        "| workload | target | done | prefix hit rate | evicted blocks | TTFT p50 (ms) "
-        "| TTFT p99 (ms) | output tok/s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        p50 = f"{1000 * r['ttft_p50_s']:.0f}" if r["ttft_p50_s"] is not None else "-"
-        p99 = f"{1000 * r['ttft_p99_s']:.0f}" if r["ttft_p99_s"] is not None else "-"
-        lines.append(
-            f"| {r['workload']} | {r['target']} | {r['completed']}/{r['planned']} | "
-            f"{r['hit_rate']:.3f} | {r['evicted_blocks']} | {p50} | {p99} | "
-            f"{r['output_tok_s']:.1f} |"
-        )
-
-    def ratio(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}x"
-
-    lines.append("")
-    lines.append(
-        f"multi-turn hit rate, cache_aware vs single: {ratio(check['cache_aware_vs_single'])} "
-        f"(goal >= 0.9x); vs round_robin: {ratio(check['cache_aware_vs_round_robin'])} "
-        f"(goal >= 1.5x); goal {'met' if check['met'] else 'NOT met'}"
-    )
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the drill

@@ -24,7 +24,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import running_kvshare
+from benchmarks.servers import running_kvshare
 
 GOAL = 0.9
 QUESTIONS = (

@@ -74,7 +74,7 @@ def thread_cpu_ms(pid: int) -> dict[str, float]:
     """CPU ms (user + system) of each thread of process pid: "main (event loop)" for the
     main thread, "thread TID" for the others (the engine thread and the kernels' OpenMP
     worker are the busy ones)."""
-    from benchmarks.serving import proc_cpu_seconds
+    from benchmarks.servers import proc_cpu_seconds
 
     out: dict[str, float] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -134,15 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=11)
     args = parser.parse_args(own)
 
-    from benchmarks import serving
+    from benchmarks import run_summary, servers, serving
 
-    port = serving.free_port()
+    port = servers.free_port()
     record = Path(tempfile.mkstemp(suffix=".json")[1])
     command = [sys.executable, __file__, "--child", str(record), "--config",
                str(REPO / "config/cpu.yaml"), "--port", str(port), "--log-level", "warning",
                *serve_args]  # fmt: skip
     base_url = f"http://127.0.0.1:{port}/v1"
-    process = serving.start_server(command, f"{base_url}/models", cwd=REPO)
+    process = servers.start_server(command, f"{base_url}/models", cwd=REPO)
     try:
         warm = serving.BenchmarkConfig(base_url=base_url, workload="unique", num_requests=2,
                                        concurrency=1, max_tokens=16, seed=3)  # fmt: skip
@@ -156,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         results, duration = asyncio.run(serving.run_benchmark(config))
         after = thread_cpu_ms(process.pid)
     finally:
-        serving.stop_server(process)
-    summary = serving.summarize(results, args.workload, args.num_requests, duration)
-    print(serving.format_markdown(summary))
+        servers.stop_server(process)
+    summary = run_summary.summarize(results, args.workload, args.num_requests, duration)
+    print(run_summary.format_markdown(summary))
     records = [r for r in json.loads(record.read_text()) if r[1] >= first]
     record.unlink()
     cpu = {name: after[name] - before.get(name, 0.0) for name in after}

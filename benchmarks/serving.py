@@ -12,7 +12,7 @@ Output length is fixed with `ignore_eos` + `max_tokens` (kvshare and vLLM accept
 `--no-extensions` for servers that reject non-OpenAI fields. The run is bounded: at most
 --num-requests requests, and everything still running after --timeout seconds is cancelled
 and counted as unfinished. Its command line is a client only: it starts no server
-(start_server/stop_server serve the drivers that do, such as benchmarks/vs_llama_server.py).
+(benchmarks/servers.py serves the drivers that do, such as benchmarks/vs_llama_server.py).
 """
 
 from __future__ import annotations
@@ -22,52 +22,25 @@ import asyncio
 import itertools
 import json
 import math
-import os
-import random
-import re
-import signal
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
-WORKLOADS = ("shared-prefix", "multi-turn", "unique", "mixed-length", "many-system-prompts")
-DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
-# About one token per common English word with a BPE tokenizer: ~200 tokens of system prompt.
-SHARED_PREFIX_WORDS = 190
-QUESTION_WORDS = 12
-TURNS_PER_CONVERSATION = 4
-MIXED_MIN_PROMPT_WORDS = 16
-MIXED_MAX_PROMPT_WORDS = 768
-NUM_SYSTEM_PROMPTS = 8  # many-system-prompts: distinct ~200-token system prompts
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-_VOCABULARY = (
-    "the system answers every question about orders shipping returns and payments with care "
-    "customer account invoice refund warehouse delivery address package tracking number "
-    "policy product price discount coupon member support agent ticket priority email phone "
-    "window days business weekend holiday region country currency tax receipt label carrier "
-    "damaged missing late early exchange replacement warranty repair battery screen cable "
-    "charger laptop tablet camera speaker kitchen garden office chair table lamp blanket "
-    "always never politely briefly clearly first then finally before after because unless "
-    "check confirm explain apologize escalate verify update cancel schedule compare include"
+from benchmarks.run_summary import Summary, format_markdown, summarize
+from benchmarks.workloads import (
+    WORKLOADS,
+    Conversation,
+    arrival_delays,
+    build_workload,
+    think_times,
 )
-_WORDS = _VOCABULARY.split()
 
-
-@dataclass
-class Conversation:
-    """User turns sent one after another; each turn resends the history and the answers so far."""
-
-    conversation_id: int
-    user_turns: list[str]
-    max_tokens: list[int]  # one per turn
-    system_prompt: str | None = None
+DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 
 
 @dataclass
@@ -88,35 +61,6 @@ class RequestResult:
 
 
 @dataclass
-class Distribution:
-    mean: float
-    p50: float
-    p90: float
-    p99: float
-
-
-@dataclass
-class Summary:
-    workload: str
-    num_requests: int  # planned
-    completed: int
-    failed: int  # an HTTP error, a broken stream or an error chunk
-    unfinished: int  # not sent or still running when --timeout ran out
-    duration_s: float
-    request_throughput: float  # completed requests per second
-    output_token_throughput: float  # output tokens of completed requests per second
-    prompt_tokens: int
-    cached_tokens: int
-    cached_fraction: float  # cached_tokens / prompt_tokens
-    output_tokens: int
-    ttft_s: Distribution | None
-    itl_s: Distribution | None
-    tpot_s: Distribution | None  # (e2e - ttft) / (output_tokens - 1), per request
-    e2e_s: Distribution | None
-    errors: list[str] = field(default_factory=list)  # the first few, for the reader
-
-
-@dataclass
 class BenchmarkConfig:
     base_url: str = DEFAULT_BASE_URL
     model: str | None = None  # None: the first id from GET /models
@@ -133,203 +77,7 @@ class BenchmarkConfig:
     api_key: str | None = None
 
 
-# ---------------------------------------------------------------- workloads
-
-
-def _words(rng: random.Random, num_words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(num_words))
-
-
-def _nonce(rng: random.Random) -> str:
-    # A distinct opening so that unrelated prompts share no prefix beyond the chat template.
-    return f"[{rng.randrange(10**9):09d}]"
-
-
-def _question(rng: random.Random, index: int) -> str:
-    return f"Question {index}: {_words(rng, QUESTION_WORDS)}?"
-
-
-def build_workload(name: str, num_requests: int, max_tokens: int, seed: int) -> list[Conversation]:
-    """Deterministic conversations for a workload; their turns add up to exactly num_requests.
-
-    shared-prefix: one ~200-token system prompt for all, a short different question each.
-    multi-turn:    4-turn conversations (the last one may be shorter), each opening with its own
-                   context; every turn resends the history with the answers appended.
-    unique:        prompts as long as the shared-prefix ones but sharing nothing.
-    mixed-length:  unique prompts of log-uniform length, max_tokens in [max_tokens/8, max_tokens].
-    many-system-prompts: 8 distinct ~200-token system prompts, each shared by several users
-                   (request i uses prompt i % 8) in a shuffled order, a different question each.
-    """
-    if num_requests < 1 or max_tokens < 1:
-        raise ValueError("num_requests and max_tokens must be at least 1")
-    rng = random.Random(seed)
-    if name == "shared-prefix":
-        system = f"You are a support assistant. {_words(rng, SHARED_PREFIX_WORDS)}."
-        return [
-            Conversation(i, [_question(rng, i)], [max_tokens], system) for i in range(num_requests)
-        ]
-    if name == "multi-turn":
-        return _multi_turn(rng, num_requests, max_tokens)
-    if name == "unique":
-        return [_unique(rng, i, max_tokens) for i in range(num_requests)]
-    if name == "mixed-length":
-        return [_mixed_length(rng, i, max_tokens) for i in range(num_requests)]
-    if name == "many-system-prompts":
-        return _many_system_prompts(rng, num_requests, max_tokens)
-    raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
-
-
-def _multi_turn(rng: random.Random, num_requests: int, max_tokens: int) -> list[Conversation]:
-    conversations = []
-    for conversation_id, first in enumerate(range(0, num_requests, TURNS_PER_CONVERSATION)):
-        num_turns = min(TURNS_PER_CONVERSATION, num_requests - first)
-        opening = f"{_nonce(rng)} Context: {_words(rng, 60)}. {_question(rng, 0)}"
-        turns = [opening] + [_question(rng, t) for t in range(1, num_turns)]
-        conversations.append(Conversation(conversation_id, turns, [max_tokens] * num_turns))
-    return conversations
-
-
-def _many_system_prompts(
-    rng: random.Random, num_requests: int, max_tokens: int
-) -> list[Conversation]:
-    systems = [
-        f"{_nonce(rng)} You are support assistant {k}. {_words(rng, SHARED_PREFIX_WORDS)}."
-        for k in range(NUM_SYSTEM_PROMPTS)
-    ]
-    # Shuffled, so that a router that simply alternates does not keep each prompt on one
-    # replica by accident of the arrival order.
-    order = list(range(num_requests))
-    rng.shuffle(order)
-    return [
-        Conversation(i, [_question(rng, i)], [max_tokens], systems[i % NUM_SYSTEM_PROMPTS])
-        for i in order
-    ]
-
-
-def _unique(rng: random.Random, index: int, max_tokens: int) -> Conversation:
-    prompt = f"{_nonce(rng)} {_words(rng, SHARED_PREFIX_WORDS + QUESTION_WORDS)}?"
-    return Conversation(index, [prompt], [max_tokens])
-
-
-def _mixed_length(rng: random.Random, index: int, max_tokens: int) -> Conversation:
-    log_low, log_high = math.log(MIXED_MIN_PROMPT_WORDS), math.log(MIXED_MAX_PROMPT_WORDS)
-    num_words = round(math.exp(rng.uniform(log_low, log_high)))
-    num_tokens = rng.randint(max(1, max_tokens // 8), max_tokens)
-    return Conversation(index, [f"{_nonce(rng)} {_words(rng, num_words)}?"], [num_tokens])
-
-
-def think_times(num_pauses: int, mean_s: float, seed: int, conversation_id: int) -> list[float]:
-    """A user's pauses in seconds between reading an answer and sending the next turn (one
-    per later turn): exponential with mean mean_s (all 0 at mean 0), per conversation and seed."""
-    if mean_s < 0:
-        raise ValueError("mean_s must not be negative")
-    if mean_s == 0:
-        return [0.0] * num_pauses
-    rng = random.Random(f"think-{seed}-{conversation_id}")
-    return [rng.expovariate(1.0 / mean_s) for _ in range(num_pauses)]
-
-
-def arrival_delays(num_arrivals: int, request_rate: float, seed: int) -> list[float]:
-    """Gaps in seconds before each arrival: exponential (a Poisson process), all 0 at rate inf."""
-    if request_rate <= 0:
-        raise ValueError("request_rate must be positive")
-    if math.isinf(request_rate):
-        return [0.0] * num_arrivals
-    rng = random.Random(seed + 1)  # its own stream: the prompts do not depend on the rate
-    return [rng.expovariate(request_rate) for _ in range(num_arrivals)]
-
-
 # ---------------------------------------------------------------- statistics
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100) with linear interpolation between order statistics."""
-    if not values:
-        raise ValueError("percentile of an empty list")
-    if not 0 <= q <= 100:
-        raise ValueError("q must be within [0, 100]")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def distribution(values: list[float]) -> Distribution | None:
-    if not values:
-        return None
-    return Distribution(
-        mean=sum(values) / len(values),
-        p50=percentile(values, 50),
-        p90=percentile(values, 90),
-        p99=percentile(values, 99),
-    )
-
-
-def summarize(
-    results: list[RequestResult], workload: str, num_requests: int, duration_s: float
-) -> Summary:
-    """Aggregates finished requests; latencies come from the successful ones only."""
-    done = [r for r in results if r.ok]
-    failed = [r for r in results if not r.ok]
-    prompt_tokens = sum(r.prompt_tokens for r in done)
-    cached_tokens = sum(r.cached_tokens for r in done)
-    output_tokens = sum(r.output_tokens for r in done)
-    tpot = [
-        (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
-        for r in done
-        if r.output_tokens > 1 and r.e2e_s is not None and r.ttft_s is not None
-    ]
-    per_second = 1.0 / duration_s if duration_s > 0 else 0.0
-    return Summary(
-        workload=workload,
-        num_requests=num_requests,
-        completed=len(done),
-        failed=len(failed),
-        unfinished=num_requests - len(results),
-        duration_s=duration_s,
-        request_throughput=len(done) * per_second,
-        output_token_throughput=output_tokens * per_second,
-        prompt_tokens=prompt_tokens,
-        cached_tokens=cached_tokens,
-        cached_fraction=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
-        output_tokens=output_tokens,
-        ttft_s=distribution([r.ttft_s for r in done if r.ttft_s is not None]),
-        itl_s=distribution([gap for r in done for gap in r.itl_s]),
-        tpot_s=distribution(tpot),
-        e2e_s=distribution([r.e2e_s for r in done if r.e2e_s is not None]),
-        errors=[r.error or "unknown error" for r in failed[:5]],
-    )
-
-
-def format_markdown(summary: Summary) -> str:
-    """A Markdown report: counts and throughput, then latency percentiles in milliseconds."""
-    lines = [
-        f"### {summary.workload}: {summary.completed}/{summary.num_requests} completed, "
-        f"{summary.failed} failed, {summary.unfinished} unfinished",
-        "",
-        "| metric | value |",
-        "| --- | ---: |",
-        f"| duration (s) | {summary.duration_s:.2f} |",
-        f"| request throughput (req/s) | {summary.request_throughput:.2f} |",
-        f"| output token throughput (tok/s) | {summary.output_token_throughput:.1f} |",
-        f"| prompt tokens | {summary.prompt_tokens} |",
-        f"| cached prompt tokens | {summary.cached_tokens} ({summary.cached_fraction:.1%}) |",
-        f"| output tokens | {summary.output_tokens} |",
-        "",
-        "| latency (ms) | mean | p50 | p90 | p99 |",
-        "| --- | ---: | ---: | ---: | ---: |",
-    ]
-    for label, dist in (
-        ("TTFT", summary.ttft_s),
-        ("inter-token", summary.itl_s),
-        ("time per output token", summary.tpot_s),
-        ("end-to-end", summary.e2e_s),
-    ):
-        cells = [f"{1000 * v:.1f}" for v in asdict(dist).values()] if dist else ["-"] * 4
-        lines.append(f"| {label} | {' | '.join(cells)} |")
-    lines.extend(f"\nerror: {error}" for error in summary.errors)
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- client
@@ -509,100 +257,6 @@ async def _launch(
             group.create_task(
                 _run_conversation(client, config, model, conversation, limiter, results)
             )
-
-
-# ---------------------------------------------------------------- server processes
-
-
-def proc_cpu_seconds(stat: Path, children: bool = False) -> float:
-    """User + system CPU seconds in a /proc stat file: /proc/PID/stat for a process, or
-    /proc/PID/task/TID/stat for one of its threads; children: with its waited-for children's."""
-    # After the command name (which may hold spaces) the fields start with the state: utime,
-    # stime, cutime and cstime are fields 14-17 of the whole line.
-    fields = stat.read_text().rsplit(")", 1)[1].split()
-    ticks = sum(int(value) for value in fields[11 : 15 if children else 13])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(
-    command: list[str],
-    ready_url: str,
-    cwd: Path | None = None,
-    env: dict[str, str] | None = None,
-    timeout_s: float = 600.0,
-    log: Path | None = None,
-) -> subprocess.Popen:
-    """Start a server process and wait until GET ready_url answers 200 (raise if it exits or
-    the time runs out, after stopping it). Its output goes to `log` (default: discarded)."""
-    sink = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115
-    process = subprocess.Popen(
-        command, cwd=cwd, env={**os.environ, **(env or {})}, stdout=sink, stderr=sink
-    )
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(ready_url, timeout=2.0, trust_env=False).status_code == 200:
-                    return process
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-    except BaseException:  # Ctrl-C while waiting: the server must not outlive the driver
-        stop_server(process)
-        raise
-    stop_server(process)
-    raise RuntimeError(f"{command[0]} did not become ready at {ready_url} (log: {log})")
-
-
-def stop_server(process: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    """SIGINT (a graceful stop), then SIGKILL after timeout_s."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-    try:
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-@contextmanager
-def running_kvshare(*flags: str) -> Iterator[str]:
-    """A `kvshare serve` of this tree (config/cpu.yaml, the exact mode unless `flags` choose)
-    on a free loopback port; yields its base URL, stops it at the end."""
-    port = free_port()
-    repo = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-m", "app.cli", "serve", "--config", "config/cpu.yaml"]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-    if "--quantization" not in flags:
-        command += ["--quantization", "none"]
-    process = start_server([*command, *flags], f"http://127.0.0.1:{port}/ready", cwd=repo)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop_server(process)
-
-
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+(?P<value>\S+)$")
-
-
-def scrape(base_url: str, operator_key: str | None = None) -> dict[str, float]:
-    """/metrics as {'name{labels}': value} (labels exactly as the server prints them);
-    operator_key: the server's operator key, where it has operator_keys."""
-    headers = {} if operator_key is None else {"Authorization": f"Bearer {operator_key}"}
-    response = httpx.get(f"{base_url}/metrics", headers=headers, timeout=10.0)
-    response.raise_for_status()
-    samples = {}
-    for line in response.text.splitlines():
-        match = _SAMPLE.match(line)
-        if match and not line.startswith("#"):
-            samples[match["name"] + (match["labels"] or "")] = float(match["value"])
-    return samples
 
 
 # ---------------------------------------------------------------- command line

@@ -38,7 +38,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import RequestResult, discover_model, running_kvshare, scrape, stream_chat
+from benchmarks.servers import running_kvshare, scrape
+from benchmarks.serving import RequestResult, discover_model, stream_chat
 from benchmarks.structured_schemas import SCHEMAS
 
 GOAL = 0.9  # constrained output tok/s at least this fraction of unconstrained

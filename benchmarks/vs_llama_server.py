@@ -45,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks import peer_servers, serving  # noqa: E402
+from benchmarks import peer_servers, run_summary, servers, serving  # noqa: E402
 from benchmarks.peer_servers import LLAMA_SERVER, VLLM, VLLM_TUNED, Peers  # noqa: E402
 
 WORKLOADS = ("shared-prefix", "multi-turn", "unique")
@@ -57,10 +57,10 @@ CONCURRENCIES = (1, 8)
 
 def run_server_round(name: str, peers: Peers, plan: dict, round_index: int) -> list:
     """Start one server, run every (workload, concurrency) of the plan on it, stop it."""
-    port = serving.free_port()
+    port = servers.free_port()
     command, ready_url, env = peer_servers.server_command(name, peers, port)
     log = Path(f"/tmp/vs_peers_{name}_{round_index}.log")
-    process = serving.start_server(command, ready_url, cwd=REPO, env=env, log=log)
+    process = servers.start_server(command, ready_url, cwd=REPO, env=env, log=log)
     base_url = f"http://127.0.0.1:{port}/v1"
     results = []
     try:
@@ -76,7 +76,7 @@ def run_server_round(name: str, peers: Peers, plan: dict, round_index: int) -> l
                     seed=1000 * round_index + concurrency, timeout_s=plan["timeout_s"],
                 )  # fmt: skip
                 runs, duration = asyncio.run(serving.run_benchmark(config))
-                summary = serving.summarize(runs, workload, config.num_requests, duration)
+                summary = run_summary.summarize(runs, workload, config.num_requests, duration)
                 print(f"  {name} {workload} c={concurrency}: "
                       f"{summary.output_token_throughput:.1f} tok/s, {summary.completed}/"
                       f"{summary.num_requests} ok", flush=True)  # fmt: skip
@@ -84,7 +84,7 @@ def run_server_round(name: str, peers: Peers, plan: dict, round_index: int) -> l
                                 "concurrency": concurrency,
                                 "summary": dataclasses.asdict(summary)})  # fmt: skip
     finally:
-        serving.stop_server(process)
+        servers.stop_server(process)
     return results
 
 

@@ -22,7 +22,6 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.core.config import EngineConfig
 from engine.core.errors import (
@@ -32,7 +31,14 @@ from engine.core.errors import (
     FaultInjectionDisabled,
     KVEventsDisabled,
 )
-from engine.core.protocol import EngineRequest, EngineStats, FaultReport, ModelInfo, RequestOutput
+from engine.core.protocol import (
+    AdmittedRequest,
+    EngineRequest,
+    EngineStats,
+    FaultReport,
+    ModelInfo,
+    RequestOutput,
+)
 from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -40,8 +46,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Add:
-    request: EngineRequest
-    grammar: Any = None  # its compiled grammar (structured output), compiled off this thread
+    admitted: AdmittedRequest
 
 
 @dataclass
@@ -128,33 +133,32 @@ class AsyncEngine:
         self._stats_listeners.append(listener)
 
     # -- requests -----------------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    def admit(self, request: EngineRequest, prompt_param: str = "prompt") -> AdmittedRequest:
+        """LLMEngine.admit on the caller's thread: the request's one check against the model
+        and its grammar's one compile (or cache hit; GrammarCache is thread-safe). Blocking:
+        app/ calls it from the worker thread that prepares the request, so neither the event
+        loop nor the engine thread waits on a compile. ParamError names a bad field (a schema
+        that cannot be compiled in time: response_format); EngineNotReady before the model is
+        loaded."""
+        engine = self._engine
+        if engine is None:
+            raise EngineNotReady("the model is not loaded yet")
+        return engine.admit(request, prompt_param)
+
+    async def generate(self, admitted: AdmittedRequest) -> AsyncIterator[RequestOutput]:
         """Yield deltas until finished; leaving early (disconnect) aborts the request.
 
-        AsyncEngine is no edge: `request` must already be valid for model_info, and it is
-        not checked again here nor on the engine thread. app/serving.py runs
-        engine.core.validation.validate_request once per request; a direct user of
-        AsyncEngine calls it first (validate_request(request, engine.model_info)). Only what
-        the engine's own state depends on is checked: a request id that is still running
-        raises DuplicateRequest, and a request that breaks the scheduler's asserts ends with
-        RequestOutput.error while the engine keeps serving.
-
-        Structured output: the grammar is compiled (or found in the cache) in a worker thread
-        before the request is queued, so the engine thread never compiles; a schema that
-        cannot be compiled in time raises ParamError (response_format) here, and so do
-        ignore_eos or min_tokens beside a response_format.
+        Only what the engine's own state depends on is checked here: a request id that is
+        still running raises DuplicateRequest, and a request that breaks the scheduler's
+        asserts ends with RequestOutput.error while the engine keeps serving.
         """
-        if request.request_id in self._streams:
-            raise DuplicateRequest(request.request_id)
+        request_id = admitted.request.request_id
+        if request_id in self._streams:
+            raise DuplicateRequest(request_id)
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request.request_id] = stream
-        try:
-            grammar = await self._compile_grammar(request)
-        except BaseException:
-            self._streams.pop(request.request_id, None)
-            raise
+        self._streams[request_id] = stream
         self._num_waiting += 1
-        self._commands.put(_Add(request, grammar))
+        self._commands.put(_Add(admitted))
         finished = False
         try:
             while not finished:
@@ -162,20 +166,9 @@ class AsyncEngine:
                 finished = output.finished
                 yield output
         finally:
-            self._streams.pop(request.request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(_Abort(request.request_id, None))
-
-    async def _compile_grammar(self, request: EngineRequest) -> Any:
-        """The request's compiled grammar (None without response_format), from a worker
-        thread: GrammarCache is thread-safe and bounds the compile time itself."""
-        if request.sampling_params.structured is None:
-            return None
-        if self._engine is None:
-            raise EngineNotReady("the model is not loaded yet")
-        cache = self._engine.grammar_cache
-        params, namespace = request.sampling_params, request.cache_salt
-        return await asyncio.to_thread(cache.compile_for, params, namespace, request.tenant)
+                self._commands.put(_Abort(request_id, None))
 
     async def abort(self, request_id: str, choice_index: int | None = None) -> None:
         self._commands.put(_Abort(request_id, choice_index))
@@ -244,7 +237,7 @@ class AsyncEngine:
             if isinstance(command, _Stop):
                 return False
             if isinstance(command, _Add):
-                self._add(engine, command.request, command.grammar)
+                self._add(engine, command.admitted)
             elif isinstance(command, _InjectFault):
                 self._inject_fault(engine, command)
             elif isinstance(command, _ListKVBlocks):
@@ -279,10 +272,10 @@ class AsyncEngine:
         except Exception as exc:  # KVEventsDisabled, or a bug: the caller reads it
             command.result.set_exception(exc)
 
-    def _add(self, engine: LLMEngine, request: EngineRequest, grammar: Any) -> None:
+    def _add(self, engine: LLMEngine, admitted: AdmittedRequest) -> None:
+        request = admitted.request
         try:
-            # Validated at the edge; its grammar compiled in generate().
-            engine.add_request(request, is_validated=True, grammar=grammar)
+            engine.add_admitted(admitted)
         except Exception as exc:  # the scheduler's asserts: fail this request, keep serving
             logger.exception("rejected request %s", request.request_id)
             self._deliver(

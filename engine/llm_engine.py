@@ -14,6 +14,7 @@ from engine.core.batch import ModelRunnerOutput, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.core.errors import FaultInjectionDisabled, KVEventsDisabled
 from engine.core.protocol import (
+    AdmittedRequest,
     EngineRequest,
     EngineStats,
     FaultReport,
@@ -149,31 +150,33 @@ class LLMEngine:
         )
 
     # -- requests -----------------------------------------------------------------------
-    def add_request(
-        self, request: EngineRequest, *, is_validated: bool = False, grammar: Any = None
-    ) -> None:
-        """Queue `request`. Offline this is the edge: it runs validate_request (ParamError
-        names a bad field). is_validated=True skips that for a caller whose edge already ran
-        it (AsyncEngine: app/serving.py validated the request); the scheduler still asserts
-        what its own state depends on (a unique id, a prompt that fits the context window).
+    def admit(self, request: EngineRequest, prompt_param: str = "prompt") -> AdmittedRequest:
+        """Check `request` against the model (ParamError names a bad field; `prompt_param` the
+        prompt's) and compile its grammar (structured output; ParamError on response_format,
+        ignore_eos or min_tokens). The one check and the one compile of every request:
+        AsyncEngine calls it from a worker thread (GrammarCache is thread-safe)."""
+        validate_request(request, self.model_info, prompt_param=prompt_param)
+        params = request.sampling_params
+        if params.structured is None:
+            return AdmittedRequest(request)
+        grammar = self.grammar_cache.compile_for(params, request.cache_salt, request.tenant)
+        return AdmittedRequest(request, grammar)
 
-        A request with sampling_params.structured needs its compiled grammar: `grammar`, from
-        grammar_cache.compile_for (AsyncEngine compiles off this thread), else it is compiled
-        here, synchronously (ParamError on response_format, ignore_eos or min_tokens: nothing
-        is queued).
-        """
-        if not is_validated:
-            validate_request(request, self.model_info)
-        structured = request.sampling_params.structured
-        if structured is not None and grammar is None:
-            grammar = self.grammar_cache.compile_for(
-                request.sampling_params, request.cache_salt, request.tenant
-            )
+    def add_request(self, request: EngineRequest) -> None:
+        """admit() `request`, then queue it (the offline edge; nothing is queued on a
+        ParamError)."""
+        self.add_admitted(self.admit(request))
+
+    def add_admitted(self, admitted: AdmittedRequest) -> None:
+        """Queue an admitted request. The scheduler still asserts what its own state depends
+        on (a unique id, a prompt that fits the context window)."""
+        request = admitted.request
         self.scheduler.add_request(request)
-        if structured is not None:
+        if request.sampling_params.structured is not None:
             # Release finished requests first: this id may be a finished one's, not yet dropped.
             self.runner.grammar_matchers.release(self.scheduler.take_finished_request_ids())
-            self.runner.grammar_matchers.register(request.request_id, structured.kind, grammar)
+            kind = request.sampling_params.structured.kind
+            self.runner.grammar_matchers.register(request.request_id, kind, admitted.grammar)
 
     def abort_request(
         self, request_id: str, choice_index: int | None = None
@@ -286,20 +289,11 @@ class LLMEngine:
             EngineRequest(request_id, list(prompt), param)
             for request_id, prompt, param in zip(request_ids, prompts, params, strict=True)
         ]
-        for request in requests:  # all of them first: a bad prompt queues nothing
-            validate_request(request, self.model_info)
-        grammars = [
-            self.grammar_cache.compile_for(
-                request.sampling_params, request.cache_salt, request.tenant
-            )
-            for request in requests
-        ]
+        admitted = [self.admit(request) for request in requests]  # a bad one queues nothing
         results = {}
-        for request, prompt, param, grammar in zip(
-            requests, prompts, params, grammars, strict=True
-        ):
-            request_id = request.request_id
-            self.add_request(request, is_validated=True, grammar=grammar)
+        for one, prompt, param in zip(admitted, prompts, params, strict=True):
+            request_id = one.request.request_id
+            self.add_admitted(one)
             results[request_id] = GenerationResult(
                 token_ids=[[] for _ in range(param.n)],
                 finish_reasons=[None] * param.n,

@@ -32,6 +32,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TORCH_STACK = ("torch", "transformers", "triton")
 WEB_STACK = ("fastapi", "starlette", "pydantic", "uvicorn")
 FIRST_PARTY = ("engine", "app")
+APP_TOP = ("app.routes", "app.server", "app.cli")  # what app/'s folders never import
+APP_APIS = ("openai", "responses", "anthropic")  # app/'s folder per API
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ RULES = (
         TORCH_STACK + WEB_STACK,
         ("engine.core", "engine.kv.kv_cache_manager", "engine.sched"),
     ),
-    Rule("engine/tokenizer.py", TORCH_STACK + WEB_STACK, ("engine.core",)),
+    Rule("engine/tokenizer.py", TORCH_STACK + WEB_STACK, ("engine.core", "engine.chat_template")),
+    Rule("engine/chat_template.py", TORCH_STACK + WEB_STACK, ("engine.core",)),
     # The simulated runner: the scheduler over real KV memory, with no model and no torch.
     Rule(
         "engine/simulation.py",
@@ -97,6 +100,10 @@ RULES = (
     Rule("engine", (*WEB_STACK, "app")),
     # app/ never imports torch (cli.py builds the engine through engine modules, lazily).
     Rule("app", TORCH_STACK),
+    # app/'s folders lie under the routes and the server, which only the server and the CLI
+    # import; what the server tells about its cache (diagnostics/) knows no API.
+    *(Rule(f"app/{folder}", APP_TOP) for folder in (*APP_APIS, "serving")),
+    Rule("app/diagnostics", (*APP_TOP, "app.serving", *(f"app.{api}" for api in APP_APIS))),
     # The benchmarks never import tests/ (what both need lives in benchmarks/ or engine/; the
     # tests may import the benchmarks).
     Rule("benchmarks", ("tests",)),

@@ -22,9 +22,10 @@ from typing import Any
 from starlette.responses import StreamingResponse
 
 from app.errors import APIError
-from app.formatting import ChoiceDelta
-from app.response_models import ChatCompletionResponse
-from app.serving import OpenAIServing, Prepared, RequestRecord
+from app.openai.formatting import ChoiceDelta
+from app.openai.response_models import ChatCompletionResponse
+from app.serving.records import Prepared, RequestRecord
+from app.serving.service import OpenAIServing
 from app.streaming import KEEPALIVE, SSE_HEADERS, SSEResponse, named_sse_events, sse_event
 
 logger = logging.getLogger(__name__)

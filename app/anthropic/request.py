@@ -1,10 +1,10 @@
-"""Anthropic's Messages request and its translation into a chat request.
+"""Anthropic's Messages request and its translation into a chat request (the blocks of its
+turns: app/anthropic/content.py).
 
-A Messages request is served by the chat pipeline as it is, like a Responses request:
-to_chat_request() turns system, messages (text, tool_use, tool_result; thinking dropped, as
-Anthropic drops earlier turns' thinking), tools and tool_choice into a ChatCompletionRequest,
-so templating, tool grammars and the prefix cache are the chat path's own. cache_control
-breakpoints are accepted and change nothing: the prefix cache is automatic.
+Served by the chat pipeline as it is, like a Responses request: to_chat_request() turns system,
+messages, tools and tool_choice into a ChatCompletionRequest, so templating, tool grammars and
+the prefix cache are the chat path's own. Thinking blocks are dropped, as Anthropic drops
+earlier turns' thinking; cache_control breakpoints change nothing (the cache is automatic).
 """
 
 from __future__ import annotations
@@ -15,81 +15,25 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
-from app.request_models import CacheDiagnosticsOptions, ChatCompletionRequest
-from app.request_parts import RequestModel, validated_part
+from app.anthropic.content import (
+    TOOL_NAME,
+    CacheControl,
+    Message,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from app.openai.request_models import CacheDiagnosticsOptions, ChatCompletionRequest
+from app.openai.request_parts import RequestModel, validated_part
 from engine.core.errors import ParamError
 
 # A line agents put first in the system prompt that changes between sessions or requests
 # (Claude Code's attribution line, `cc_version=<version>.<hash>; ... cch=<hash>;`).
 VOLATILE_SYSTEM_LINE = re.compile(r"x-anthropic-billing-header:[^\n]*(?:\n|$)")
-TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
 class MessagesParamError(ParamError):
     """A 400 that names the Messages field itself (the route renames only chat fields)."""
-
-
-class CacheControl(RequestModel):
-    type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] | None = None
-
-
-class TextBlock(RequestModel):
-    type: Literal["text"]
-    text: str
-    cache_control: CacheControl | None = None
-    citations: list[dict[str, Any]] | None = None
-
-
-class ToolUseBlock(RequestModel):
-    type: Literal["tool_use"]
-    id: Annotated[str, Field(min_length=1)]
-    name: Annotated[str, Field(pattern=TOOL_NAME)]
-    input: dict[str, Any]
-    cache_control: CacheControl | None = None
-    caller: dict[str, Any] | None = None  # who called it (Anthropic's programmatic calls)
-    toolset_name: str | None = None
-
-
-class ToolResultBlock(RequestModel):
-    type: Literal["tool_result"]
-    tool_use_id: Annotated[str, Field(min_length=1)]
-    content: str | list[TextBlock] | None = None
-    is_error: bool | None = None
-    cache_control: CacheControl | None = None
-    toolset_name: str | None = None
-
-    def text(self) -> str:
-        """The result as the chat template's tool message reads it; an error says so."""
-        content = self.content or ""
-        text = content if isinstance(content, str) else "\n".join(b.text for b in content)
-        return f"Error: {text}" if self.is_error else text
-
-
-class ThinkingBlock(RequestModel):
-    type: Literal["thinking"]
-    thinking: str
-    signature: str | None = None
-    cache_control: CacheControl | None = None
-
-
-class RedactedThinkingBlock(RequestModel):
-    type: Literal["redacted_thinking"]
-    data: str
-
-
-ContentBlock = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-    Field(discriminator="type"),
-]
-
-
-class Message(RequestModel):
-    """A turn. `system` turns (a string or text blocks) may come between the others, as
-    Claude Code sends them."""
-
-    role: Literal["user", "assistant", "system"]
-    content: str | Annotated[list[ContentBlock], Field(min_length=1)]
 
 
 class Metadata(RequestModel):

@@ -1,1 +1,1 @@
-"""Thin HTTP handlers: parse, call a service from app/serving.py, return what it built."""
+"""Thin HTTP handlers: parse, call a service from app/serving/, return what it built."""

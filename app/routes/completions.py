@@ -2,10 +2,10 @@
 
 from fastapi import APIRouter, Request, Response
 
+from app.openai.request_models import CompletionRequest
+from app.openai.response_models import CompletionResponse
 from app.openapi import stream_responses
-from app.request_models import CompletionRequest
-from app.response_models import CompletionResponse
-from app.routes.deps import AdmittedServing, Record, respond_to
+from app.routes.deps import AdmittedServing, Record
 
 router = APIRouter()
 
@@ -20,4 +20,4 @@ async def create_completion(
 ) -> Response:
     serving.check_tenant_before_prepare(record, body.user)  # a 429 costs no templating
     prepared = await serving.prepare(body, record)  # in a worker thread
-    return await respond_to(request, serving, prepared, record, stream=bool(body.stream))
+    return await serving.respond(request, prepared, record, stream=bool(body.stream))

@@ -3,7 +3,7 @@ GET /debug/kv_blocks: the KV event hashes of every cached block (only with KV ev
 
 Only a server started with --enable-fault-injection (engine key enable_fault_injection) acts
 on it; any other answers 403 with an OpenAI error body. It is the operator's: with
-operator_keys it needs one of them, with api_keys alone it answers 403 (app/server.py
+operator_keys it needs one of them, with api_keys alone it answers 403 (app/middleware.py
 OperatorKeyMiddleware, docs/security.md). The engine's refusals (FaultInjectionDisabled,
 InvalidFaultTarget, EngineNotReady) become statuses through app/errors.py's ENGINE_ERRORS.
 
@@ -25,11 +25,11 @@ import anyio
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.cache_diagnostics import RecentPrompt
-from app.cache_report import build_report
+from app.diagnostics.cache import RecentPrompt
+from app.diagnostics.cache_report import build_report
 from app.errors import APIError
 from app.routes.deps import ReadyServing, Record, State
-from app.serving import diagnostics_scope
+from app.serving.records import diagnostics_scope
 from engine.core.errors import FaultInjectionDisabled
 from engine.core.protocol import FAULT_KINDS
 from engine.tokenizer import Tokenizer
@@ -101,7 +101,7 @@ async def cache_report(
     cache_salt: Annotated[str | None, Query(description="The cache_salt of the prompts.")] = None,
 ) -> dict:
     """Where the caller's recent prompts (its tenant's, of this cache_salt) diverge; see
-    app/cache_report.py. Rendering the segments and comparing run in a worker thread."""
+    app/diagnostics/cache_report.py. Rendering the segments and comparing run in a worker thread."""
     prompts = serving.recent_prompts.prompts_of(diagnostics_scope(record.tenant, cache_salt))
     block_size = serving.engine.stats().block_size
     return await anyio.to_thread.run_sync(report_of, prompts, serving.model.tokenizer, block_size)

@@ -7,16 +7,16 @@ import logging
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import Depends, Request, Response
+from fastapi import Depends, Request
 
 from app.errors import SERVER_ERROR, APIError
-from app.limits import RequestLimits
 from app.metrics import ServerMetrics
-from app.response_store import SqliteResponseStore, StoreLimits
-from app.responses_serving import ResponsesStoreService
-from app.serving import OpenAIServing, Prepared, RequestRecord, ServedModel
+from app.responses.serving import ResponsesStoreService
+from app.responses.store import SqliteResponseStore, StoreLimits
+from app.serving.limits import RequestLimits
+from app.serving.records import RequestRecord, ServedModel
+from app.serving.service import OpenAIServing
 from app.settings import Settings
-from app.streaming import respond
 from engine.core.protocol import EngineClient
 from engine.tokenizer import Tokenizer
 
@@ -38,7 +38,7 @@ class ServerState:
         self.serving: OpenAIServing | None = None
         self.is_draining = False
         self.is_grace_over = asyncio.Event()  # set when the drain's grace ends: streams end now
-        self.num_in_flight = 0  # /v1/ requests not yet fully answered (see server.py)
+        self.num_in_flight = 0  # /v1/ requests not yet fully answered (see app/middleware.py)
         self.load_error: str | None = None
         self.responses: ResponsesStoreService | None = None  # open_store() .. close_store()
 
@@ -77,7 +77,12 @@ class ServerState:
         model = ServedModel(name=name, info=info, tokenizer=tokenizer)
         limits = RequestLimits.of(self.settings.server, self.settings.engine)
         self.serving = OpenAIServing(
-            self.engine, model, self.settings.server, self.metrics, limits=limits
+            self.engine,
+            model,
+            self.settings.server,
+            self.metrics,
+            limits=limits,
+            stop=self.is_grace_over,
         )
         logger.info("ready: serving %s (context %d tokens)", name, info.max_model_len)
 
@@ -159,26 +164,6 @@ def get_responses_store(state: State) -> ResponsesStoreService:
 def get_record(request: Request) -> RequestRecord:
     record = getattr(request.state, "record", None)
     return record if record is not None else RequestRecord(request_id="-")
-
-
-async def respond_to(
-    request: Request,
-    serving: OpenAIServing,
-    prepared: Prepared,
-    record: RequestRecord,
-    stream: bool,
-) -> Response:
-    """Answer a prepared generation request as SSE or as one JSON body (app/streaming.py);
-    a 429 first when its tenant is over a per-tenant limit."""
-    serving.check_tenant_limits(prepared, record)
-    return await respond(
-        request,
-        stream,
-        chunks=lambda: serving.stream(prepared, record),
-        complete=lambda: serving.complete(prepared, record),
-        keepalive_seconds=serving.settings.keepalive_seconds,
-        stop=get_state(request).is_grace_over,
-    )
 
 
 ReadyServing = Annotated[OpenAIServing, Depends(get_ready_serving)]

@@ -6,7 +6,6 @@ anthropic-beta headers are accepted and change nothing; errors leave in Anthropi
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import Annotated, Any
 
 import anyio
@@ -28,11 +27,12 @@ from app.anthropic.request import (
     MessagesRequest,
     chat_id_of,
 )
-from app.cache_diagnostics import wants_diagnostics
+from app.diagnostics.cache import wants_diagnostics
 from app.errors import APIError, param_path
-from app.request_models import CacheDiagnosticsOptions, ChatCompletionRequest
+from app.openai.request_models import CacheDiagnosticsOptions
 from app.routes.deps import AdmittedServing, ReadyServing, Record, get_state
-from app.serving import OpenAIServing, Prepared, RequestRecord, diagnostics_scope
+from app.serving.records import RequestRecord, diagnostics_scope
+from app.serving.service import OpenAIServing
 from app.streaming import (
     CLIENT_CLOSED_REQUEST,
     SSE_EVENT_SCHEMA,
@@ -110,10 +110,9 @@ async def create_message(
         strip = settings.strip_volatile_system_lines
         max_output_tokens = serving.limits.max_output_tokens
         chat_request = body.to_chat_request(strip, max_output_tokens, asked.previous_chat_id)
-        prepared = await serving.prepare(chat_request, record)
+        volatile = None if strip or not body.has_volatile_system_line() else VOLATILE_SYSTEM_LINE
+        prepared = await serving.prepare(chat_request, record, volatile_line=volatile)
         serving.check_tenant_limits(prepared, record)
-    if not strip and body.has_volatile_system_line():
-        await anyio.to_thread.run_sync(mark_volatile_prefix, serving, chat_request, prepared)
     message_id = message_id_of(prepared)
     if body.stream:
         stream = MessageStream(serving, prepared, record, message_id, asked)
@@ -145,25 +144,6 @@ def diagnostics_asked(
     return DiagnosticsAsked(native, extension, previous_missing, previous_chat_id)
 
 
-def mark_volatile_prefix(
-    serving: OpenAIServing, chat_request: ChatCompletionRequest, prepared: Prepared
-) -> None:
-    """Tell the engine how many prompt tokens the volatile line spans (to the end of its
-    line in the rendered system message, which the prompt starts with), so a miss there is
-    counted as volatile_prefix (blocking)."""
-    tokenizer = serving.model.tokenizer
-    system = chat_request.messages[0].to_template_dict()
-    text = tokenizer.render_chat([system], False, False, None)
-    match = VOLATILE_SYSTEM_LINE.search(text)
-    if match is None:
-        return
-    num_tokens = len(tokenizer.encode(text[: match.end()], add_special_tokens=False))
-    prepared.engine_requests = [
-        replace(request, num_volatile_prefix_tokens=num_tokens)
-        for request in prepared.engine_requests
-    ]
-
-
 class CountTokensRequest(MessagesConversation):
     """POST /v1/messages/count_tokens: a Messages request without the sampling fields."""
 
@@ -180,4 +160,4 @@ def count_tokens(serving: OpenAIServing, body: MessagesConversation) -> dict[str
     """{"input_tokens"}: the prompt as POST /v1/messages renders it (blocking: templating)."""
     chat_request = body.to_chat_request(serving.settings.strip_volatile_system_lines)
     chat_request.structured  # noqa: B018 (tool schemas, checked as served)
-    return {"input_tokens": len(serving.chat_prompt(chat_request).token_ids)}
+    return {"input_tokens": len(serving.preparer.chat_prompt(chat_request).token_ids)}

@@ -2,9 +2,9 @@
 
 from fastapi import APIRouter
 
-from app.response_models import ModelCard, ModelList
+from app.openai.response_models import ModelCard, ModelList
 from app.routes.deps import ReadyServing
-from app.serving import OpenAIServing
+from app.serving.service import OpenAIServing
 
 router = APIRouter()
 
@@ -24,5 +24,5 @@ async def list_models(serving: ReadyServing) -> ModelList:
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, serving: ReadyServing) -> ModelCard:
-    serving.check_model(model)
+    serving.preparer.check_model(model)
     return _card(serving)

@@ -1,5 +1,5 @@
 """/v1/responses: POST served by the chat pipeline (`stream: true` as events); the stored
-responses' GET, DELETE and input_items (app/response_store.py), scoped to the tenant and
+responses' GET, DELETE and input_items (app/responses/store.py), scoped to the tenant and
 cache_salt. A streamed response is stored as a non-streamed one is."""
 
 from collections.abc import Iterator
@@ -11,11 +11,10 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from app.errors import APIError
-from app.formatting import ChoiceDelta
-from app.response_models import ChatCompletionResponse
-from app.response_store import StoredResponse
-from app.responses_request import ResponsesRequest
-from app.responses_serving import (
+from app.openai.formatting import ChoiceDelta
+from app.openai.response_models import ChatCompletionResponse
+from app.responses.request import ResponsesRequest
+from app.responses.serving import (
     ResponsesStoreService,
     Turn,
     chain_items,
@@ -23,9 +22,10 @@ from app.responses_serving import (
     items_page,
     run_turn,
 )
-from app.responses_stream import FinishResponse, ResponseStream, response_stream
+from app.responses.store import StoredResponse
+from app.responses.stream import FinishResponse, ResponseStream, response_stream
 from app.routes.deps import AdmittedServing, Record, ResponsesStore, get_state
-from app.serving import Prepared, RequestRecord
+from app.serving.records import Prepared, RequestRecord
 from app.streaming import CLIENT_CLOSED_REQUEST, ClientDisconnected, cancel_on_disconnect
 from engine.core.errors import ParamError
 

@@ -1,4 +1,4 @@
-"""POST /v1/responses/input_tokens, POST /tokenize, POST /detokenize (app/tokenization.py).
+"""POST /v1/responses/input_tokens, POST /tokenize, POST /detokenize (app/openai/tokenization.py).
 
 Ready, not queued: they take no slot in the engine's queue and no tenant namespace, but a
 place in their tenant's load while they work (serving.tenant_slot: the per-tenant limits'
@@ -11,9 +11,7 @@ from typing import Any
 import anyio
 from fastapi import APIRouter
 
-from app.routes.deps import ReadyServing, Record, ResponsesStore
-from app.routes.responses import named_as_responses
-from app.tokenization import (
+from app.openai.tokenization import (
     DetokenizeRequest,
     InputTokensRequest,
     TokenizeRequest,
@@ -21,6 +19,8 @@ from app.tokenization import (
     detokenize,
     tokenize,
 )
+from app.routes.deps import ReadyServing, Record, ResponsesStore
+from app.routes.responses import named_as_responses
 
 router = APIRouter()
 

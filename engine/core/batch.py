@@ -58,7 +58,7 @@ class ScheduledSeq:
     # runner samples at each of the 1 + len(draft) positions (engine/core/spec_ngram.py).
     draft_token_ids: list[int] = field(default_factory=list)
     # Positions before prompt_len hold the request's prompt, the rest tokens it generated: the
-    # runner may compute the two kinds on different kernel paths (model_runner.tile_rows), so a
+    # runner may compute the two kinds on different kernel paths (step_inputs.tile_rows), so a
     # token's path depends on the token, never on the batch. 0: no prompt token known.
     prompt_len: int = 0
 

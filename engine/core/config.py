@@ -22,8 +22,9 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 # weights, fp32 math; int8: int8 weights and per-token int8 activations. CPU float32 only
 # (engine/runtime/cpu/quant.py).
 QUANTIZATIONS = ("none", "native", "q8_0", "fp16", "int8")
-# The most max_schema_bytes may allow; app/json_schema.py's check_schema refuses larger schemas
-# whatever the setting (a backstop: the routes check the configured cap first, app/limits.py).
+# The most max_schema_bytes may allow; app/openai/json_schema.py's check_schema refuses larger
+# schemas whatever the setting (a backstop: the routes check the configured cap first,
+# app/serving/limits.py).
 MAX_SCHEMA_BYTES_CEILING = 1024 * 1024
 # config key -> the values it may take
 CHOICES: dict[str, tuple[object, ...]] = {

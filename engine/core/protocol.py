@@ -6,7 +6,7 @@ import enum
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.core.sampling_params import SamplingParams
 
@@ -38,6 +38,16 @@ class EngineRequest:
     # The prompt's first tokens hold text the client changes per request or session (an
     # agent's billing line): a miss inside them is classified volatile_prefix.
     num_volatile_prefix_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class AdmittedRequest:
+    """A request the engine has checked against its model, with its compiled grammar (None
+    without structured output): what generate() runs. Only an engine's admit() makes one, so
+    a request is checked once and compiled once."""
+
+    request: EngineRequest
+    grammar: Any = None
 
 
 @dataclass
@@ -204,7 +214,8 @@ class ModelInfo:
 class EngineClient(Protocol):
     """What app/ uses of the engine. Implemented by AsyncEngine (and fakes in tests).
 
-    generate() yields deltas until one with finished=True; if the consumer stops iterating
+    admit() checks a request and compiles its grammar; generate() runs what it admitted and
+    yields deltas until one with finished=True; if the consumer stops iterating
     (client disconnect) the implementation aborts the request and frees its blocks.
     """
 
@@ -217,9 +228,15 @@ class EngineClient(Protocol):
         """The served model; only valid once is_ready is True."""
         ...
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Run a request the caller has validated (engine/core/validation.py); raises
-        DuplicateRequest for an id that is still running."""
+    def admit(self, request: EngineRequest, prompt_param: str = "prompt") -> AdmittedRequest:
+        """Check `request` against the model (ParamError names the bad field; `prompt_param`
+        the prompt's) and compile its grammar: the one check and the one compile a request
+        gets. Blocking (a compile): call it from a worker thread. EngineNotReady before the
+        model is loaded."""
+        ...
+
+    def generate(self, admitted: AdmittedRequest) -> AsyncIterator[RequestOutput]:
+        """Run an admitted request; raises DuplicateRequest for an id that is still running."""
         ...
 
     async def abort(self, request_id: str, choice_index: int | None = None) -> None:

@@ -25,7 +25,7 @@ class StructuredOutput:
     schema as canonical JSON text (no spaces, keys sorted except the property names under each
     `properties`, which keep the client's order, the order the grammar writes them in: equal
     schemas are equal strings, so compiled grammars are cached by it). The edge
-    (app/structured_output.py) has already checked the schema and refused keywords the
+    (app/openai/structured_output.py) has already checked the schema and refused keywords the
     grammar engine would ignore.
 
     kind "tool_calls" (tool_choice "auto"): free text in which every `<tool_call>` starts a

@@ -1,20 +1,19 @@
 """The one facade the scheduler uses for KV memory (torch-free).
 
 It hides the block pool and the radix prefix cache: the scheduler admits, grows, forks and
-frees sequences, and never touches refcounts, free lists or tree nodes itself.
+frees sequences, and never touches refcounts, free lists or tree nodes itself. The prefix-cache
+half (admit, insert_prefix, diagnose) is its base class, engine/kv/prefix_sharing.py.
 
-References: a live sequence holds one reference on every block of its block table; the
-prefix tree holds one on each block it owns. check_integrity() verifies that the pool's
-refcounts are exactly those references. A sequence admitted with a cached prefix also holds
-one lock on the tree node its match ended in, until its first chunk is computed (the block
-copy it needed is done by then) or it is freed. Other holders (the cache auditor) take
-references through hold_blocks() / allocate_held_blocks() and drop them with release_blocks();
-they count as references like a sequence's.
+References: a live sequence holds one reference on every block of its block table, the
+prefix tree one on each block it owns, and other holders (the cache auditor, through
+hold_blocks() / allocate_held_blocks() until release_blocks()) one on each block they took;
+check_integrity() verifies that the pool's refcounts are exactly those. A sequence admitted
+with a cached prefix also holds one lock on the tree node its match ended in, until its first
+chunk is computed (its block copy is done by then) or it is freed.
 
-Quarantine: quarantine() drops blocks found wrong from the tree; a sequence that still holds
-one keeps reading it, but insert_prefix() never offers that block, nor any block after it in
-the sequence's table (their KV was computed from it), to the tree again. A quarantined block
-leaves the quarantine when its last reference goes (its next owner writes fresh KV).
+Quarantine: quarantine() drops blocks found wrong from the tree; a sequence still holding one
+keeps reading it, but insert_prefix() never offers it, nor any block after it in that table
+(computed from it), again. A block leaves the quarantine with its last reference.
 """
 
 from __future__ import annotations
@@ -25,20 +24,13 @@ from collections.abc import Iterable
 from engine.core.batch import BlockCopy
 from engine.core.errors import KVEventsDisabled
 from engine.core.intmath import cdiv
-from engine.core.protocol import CacheDiagnosis
 from engine.core.sequence import Sequence
 from engine.kv.block_pool import BlockPool, BlockUsage
-from engine.kv.cache_diagnosis import (
-    DEFAULT_NUM_TOMBSTONES,
-    MissReason,
-    PrefixTombstones,
-    classify,
-    make_diagnosis,
-    miss_block_end,
-)
+from engine.kv.cache_diagnosis import DEFAULT_NUM_TOMBSTONES, MissReason, PrefixTombstones
 from engine.kv.kv_events import KVEventSink
+from engine.kv.prefix_sharing import PrefixSharing
 from engine.kv.radix_cache import RadixCache
-from engine.kv.radix_node import MatchResult, Namespace, RadixNode
+from engine.kv.radix_node import Namespace, RadixNode
 
 
 class WriteViolation(RuntimeError):
@@ -52,7 +44,7 @@ class WriteViolation(RuntimeError):
         self.block_id = block_id
 
 
-class KVCacheManager:
+class KVCacheManager(PrefixSharing):
     """Block tables of sequences over a shared BlockPool, with copy-on-write.
 
     Contract: admit() (a waiting sequence) or allocate_slots() (a running one) before
@@ -60,18 +52,15 @@ class KVCacheManager:
     in between. Block copies recorded by admit() / allocate_slots() are drained by
     take_block_copies() and must reach the runner before that step's forward.
 
-    With enable_prefix_cache, a RadixCache over the same pool (`prefix_cache`) shares KV
-    between sequences of one namespace; when free blocks run short, allocation evicts
-    unlocked cached blocks (LRU) before it reports failure. Without it, prefix_cache is None
-    and admit() reuses nothing. kv_event_sink (with the cache on) receives the cache's KV events
-    (engine/kv/kv_events.py) on the engine thread; None (the default) records nothing.
-    max_cached_blocks_per_namespace caps each namespace (tenant) under pressure: once one holds
-    more tree blocks than that, its least recently used ones are evicted before anyone else's
-    (engine/kv/namespace_quota.py); None: plain LRU over all namespaces.
+    With enable_prefix_cache, a RadixCache over the same pool (`prefix_cache`, else None)
+    shares KV within a namespace, and allocation evicts unlocked cached blocks (LRU) before it
+    fails. kv_event_sink receives the cache's KV events (engine/kv/kv_events.py);
+    max_cached_blocks_per_namespace evicts an over-cap namespace's blocks first
+    (engine/kv/namespace_quota.py; None: plain LRU).
 
     `pool` and `prefix_cache` are exposed for tests and checks; the scheduler, admission and
-    the auditor use the methods below only. Every figure here is O(1) or O(live sequences):
-    none walks the pool or the tree (check_integrity() does, to recount them).
+    the auditor use the methods only. Every figure is O(1) or O(live sequences): only
+    check_integrity() walks the pool or the tree.
     """
 
     def __init__(
@@ -151,7 +140,7 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
-    # -- allocation -------------------------------------------------------------------------
+    # -- allocation (admit() and insert_prefix(): PrefixSharing) ------------------------------
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make seq's next `num_new_tokens` slots exist and be writable; False if no room.
 
@@ -198,9 +187,8 @@ class KVCacheManager:
 
     def free_slots_past(self, seq: Sequence, num_tokens: int) -> None:
         """Speculative tokens rejected: only seq's first num_tokens positions keep their KV.
-        Releases the whole blocks of its table past them (fresh private blocks of this step);
-        the stale slots past num_tokens in its last kept block are written again before
-        anyone reads them."""
+        Releases the whole blocks past them (fresh private blocks of this step); stale slots
+        in its last kept block are written again before anyone reads them."""
         num_blocks = self.num_blocks_for(num_tokens)
         for block_id in seq.block_ids[num_blocks:]:
             self._decref(block_id)
@@ -235,126 +223,6 @@ class KVCacheManager:
         """
         copies, self._pending_copies = self._pending_copies, []
         return copies
-
-    # -- prefix cache ---------------------------------------------------------------------
-    def cached_prefix_len(self, seq: Sequence) -> int:
-        """How many of seq's tokens admit() would reuse right now (0 without the cache).
-
-        A lookup only: takes no references (it refreshes the LRU time of what it finds).
-        """
-        match = self._match(seq)
-        return match.num_matched_tokens if match is not None else 0
-
-    def admit(self, seq: Sequence, token_budget: int) -> int | None:
-        """Give a waiting seq (no blocks, nothing computed) its cached prefix and the slots of
-        its first chunk; returns the chunk's token count, or None (nothing changed) when the
-        pool cannot hold it even after evicting.
-
-        Reuse: seq's known tokens (prompt, plus outputs after a preemption) are matched with
-        a cap of seq.num_reusable_tokens (num_tokens - 1, so at least one token is computed
-        and yields logits; fewer while prompt positions are owed logits for scoring). Full
-        cached blocks are shared (one more reference each, listed in the block table). A
-        match ending inside a block gets a fresh private block and a BlockCopy(src=cached
-        block, dst=new): only its first num_partial_tokens slots matter, the rest will be
-        overwritten. The matched tree node stays locked (its partial block cannot be
-        evicted) until the chunk is computed (insert_prefix) or seq is freed. When the
-        pool is too tight to keep the copy's source as well, only the full blocks are
-        reused. num_computed_tokens becomes the reused token count; then
-        min(uncomputed, token_budget) slots are allocated.
-        """
-        assert not seq.block_ids and seq.num_computed_tokens == 0 and token_budget >= 1
-        match = self._match(seq)
-        if match is not None and match.last_node is not None:
-            self._share_full_blocks(seq, match)
-        use_partial = match is not None and match.partial_block_id is not None
-        if use_partial and not self._make_room_to_admit(
-            seq, match.num_partial_tokens, token_budget
-        ):
-            use_partial = False  # its source is pinned: the chunk may fit without the copy
-            self._unlock(seq)
-        if not use_partial and not self._make_room_to_admit(seq, 0, token_budget):
-            self.free(seq)
-            seq.num_computed_tokens = 0
-            return None
-        if use_partial:
-            self._copy_partial_block(seq, match)
-        num_new_tokens = min(seq.num_uncomputed_tokens, token_budget)
-        is_allocated = self.allocate_slots(seq, num_new_tokens)
-        assert is_allocated, f"seq {seq.seq_id}: room was made but allocation failed"
-        return num_new_tokens
-
-    def insert_prefix(self, seq: Sequence) -> None:
-        """Offer seq's full, computed blocks to the prefix tree; call after every computed
-        chunk (the runner has written it) and at finish. Never for KV that may be wrong
-        (a failed step). Also ends the admission lock: the partial block is copied by now.
-
-        A block the tree takes becomes tree-owned: read-only from then on (full blocks are
-        never written again). Where the tree already holds the same tokens in another block,
-        seq switches to the tree's block and drops its duplicate.
-        """
-        self._unlock(seq)
-        if self.prefix_cache is None:
-            return
-        num_full_blocks = self._num_trusted_blocks(seq, seq.num_computed_tokens // self.block_size)
-        num_offered = self._num_offered_blocks.get(seq.seq_id, 0)
-        if num_full_blocks <= num_offered:
-            return
-        token_ids = seq.token_slice(0, num_full_blocks * self.block_size)
-        block_ids = seq.block_ids[:num_full_blocks]
-        num_taken = self.prefix_cache.insert(seq.cache_namespace, token_ids, block_ids)
-        self._count_stored_prompt(seq, num_full_blocks, num_taken)
-        if num_taken < num_full_blocks - num_offered:
-            self._adopt_tree_blocks(seq, token_ids, num_offered)
-        self._num_offered_blocks[seq.seq_id] = num_full_blocks
-
-    def _count_stored_prompt(self, seq: Sequence, num_full_blocks: int, num_taken: int) -> None:
-        """Add to seq.num_stored_prompt_tokens the prompt positions the tree just took from it:
-        the tree takes a suffix of the blocks offered (past what it held); positions the cache
-        served (num_cached_tokens, a copied partial block's too) or counted before (a block
-        stored again after a preemption) are not new."""
-        end = min(num_full_blocks * self.block_size, seq.num_prompt_tokens)
-        first_taken = (num_full_blocks - num_taken) * self.block_size
-        first_new = max(first_taken, seq.num_cached_tokens, seq.stored_prompt_end)
-        seq.num_stored_prompt_tokens += max(0, end - first_new)
-        seq.stored_prompt_end = max(seq.stored_prompt_end, end)
-
-    def diagnose(self, seq: Sequence) -> CacheDiagnosis:
-        """Why seq's prompt missed the cache; call once, right after its first admission
-        (seq.num_computed_tokens is then what the cache served). Counts the prompt tokens
-        not served under the reason. Takes no references and changes no LRU order."""
-        num_prompt, num_matched = seq.num_prompt_tokens, seq.num_computed_tokens
-        num_reusable = seq.num_reusable_tokens
-        is_cacheable = self.prefix_cache is not None and seq.sampling_params.prompt_logprobs is None
-        dropped, elsewhere = None, False
-        if is_cacheable and num_matched < num_reusable:
-            dropped, elsewhere = self._dropped_or_elsewhere(seq, num_matched)
-        reason = classify(
-            num_prompt, num_reusable, num_matched, self.block_size, dropped, elsewhere, is_cacheable
-        )
-        if reason == MissReason.DIVERGED and num_matched < seq.num_volatile_prefix_tokens:
-            reason = MissReason.VOLATILE_PREFIX
-        self.miss_tokens_by_reason[reason] += num_prompt - num_matched
-        return make_diagnosis(num_prompt, num_matched, self.block_size, reason)
-
-    def _dropped_or_elsewhere(self, seq: Sequence, num_matched: int) -> tuple:
-        end = miss_block_end(num_matched, self.block_size)
-        prompt = seq.prompt_token_ids
-        dropped = None
-        if end <= len(prompt):
-            dropped = self.tombstones.reason_for(seq.cache_namespace, prompt[:end])
-        elsewhere = num_matched == 0 and self.prefix_cache.holds_first_block_elsewhere(
-            seq.cache_namespace, prompt
-        )
-        return dropped, elsewhere
-
-    def take_admitted_cache_blocks(self, seq: Sequence) -> list[int]:
-        """The tree blocks admit() reused for seq, in order: its shared full blocks, then the
-        source of its copied partial block, if any ([] without a hit). Forgotten once taken."""
-        return self._admitted_cache_blocks.pop(seq.seq_id, [])
-
-    def num_inserted_tokens(self, seq: Sequence) -> int:
-        """Leading tokens of seq whose blocks the tree holds (matched or inserted by seq)."""
-        return self._num_offered_blocks.get(seq.seq_id, 0) * self.block_size
 
     def evict(self, num_blocks: int) -> list[int]:
         """Free up to num_blocks cached blocks no sequence holds or locks (LRU leaves first)."""
@@ -455,12 +323,6 @@ class KVCacheManager:
         return self.pool.total_refcount() - held - self.pool.num_tree_owned_blocks
 
     # -- helpers ----------------------------------------------------------------------------
-    def _match(self, seq: Sequence) -> MatchResult | None:
-        if self.prefix_cache is None:
-            return None
-        token_ids = seq.token_ids()
-        return self.prefix_cache.match(seq.cache_namespace, token_ids, seq.num_reusable_tokens)
-
     def _num_trusted_blocks(self, seq: Sequence, num_blocks: int) -> int:
         """num_blocks, cut before seq's first quarantined block."""
         if self._quarantined:
@@ -473,61 +335,12 @@ class KVCacheManager:
         if self.pool.decref(block_id) == 0:
             self._quarantined.discard(block_id)
 
-    def _unlock(self, seq: Sequence) -> None:
-        node = self._locked_nodes.pop(seq.seq_id, None)
-        if node is not None:
-            assert self.prefix_cache is not None
-            self.prefix_cache.unlock(node)
-
-    def _share_full_blocks(self, seq: Sequence, match: MatchResult) -> None:
-        """Lock the match (its partial block must survive until copied), then share."""
-        assert self.prefix_cache is not None and match.last_node is not None
-        self.prefix_cache.lock(match.last_node)
-        self._locked_nodes[seq.seq_id] = match.last_node
-        for block_id in match.full_block_ids:
-            self.pool.incref(block_id)
-        seq.block_ids.extend(match.full_block_ids)
-        seq.num_computed_tokens = len(match.full_block_ids) * self.block_size
-        self._num_offered_blocks[seq.seq_id] = len(match.full_block_ids)
-        self._admitted_cache_blocks[seq.seq_id] = list(match.full_block_ids)
-
-    def _copy_partial_block(self, seq: Sequence, match: MatchResult) -> None:
-        assert match.partial_block_id is not None
-        dst = self.pool.allocate()
-        self.pool.set_num_tokens(dst, match.num_partial_tokens)
-        self._pending_copies.append(BlockCopy(src=match.partial_block_id, dst=dst))
-        self.num_cow_copies += 1
-        seq.block_ids.append(dst)
-        seq.num_computed_tokens += match.num_partial_tokens
-        self._admitted_cache_blocks.setdefault(seq.seq_id, []).append(match.partial_block_id)
-
-    def _adopt_tree_blocks(self, seq: Sequence, token_ids: list[int], start: int) -> None:
-        """Switch seq's blocks from index `start` on to the tree's blocks for the same tokens
-        (where it computed a duplicate), freeing the duplicates seq alone held."""
-        assert self.prefix_cache is not None
-        match = self.prefix_cache.match(seq.cache_namespace, token_ids)
-        assert match.num_matched_tokens == len(token_ids), "inserted tokens are not cached"
-        for index in range(start, len(match.full_block_ids)):
-            tree_block_id, own_block_id = match.full_block_ids[index], seq.block_ids[index]
-            if tree_block_id != own_block_id:
-                self.pool.incref(tree_block_id)
-                self._decref(own_block_id)
-                seq.block_ids[index] = tree_block_id
-
     def _num_available_blocks(self, num_blocks: int) -> int:
         """Free blocks (+ evictable ones when short) minus num_blocks; >= 0: it fits."""
         num_spare = self.pool.num_free_blocks - num_blocks
         if num_spare >= 0 or self.prefix_cache is None:
             return num_spare
         return num_spare + self.prefix_cache.num_evictable_blocks()
-
-    def _make_room_to_admit(self, seq: Sequence, num_partial_tokens: int, budget: int) -> bool:
-        """Room for seq's first chunk after its shared blocks (+ the partial copy)."""
-        num_cached = seq.num_computed_tokens + num_partial_tokens
-        num_new_tokens = min(seq.num_tokens - num_cached, budget)
-        return self._make_room(
-            self.num_blocks_for(num_cached + num_new_tokens) - len(seq.block_ids)
-        )
 
     def _make_room(self, num_blocks: int) -> bool:
         """Ensure num_blocks free blocks, evicting cached ones only if that is enough."""

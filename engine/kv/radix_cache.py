@@ -1,50 +1,40 @@
 """Radix tree over token ids -> KV block ids: the prefix cache (torch-free).
 
-The tree stores KV at block granularity. Every edge covers a whole number of blocks
-(len(token_ids) == len(block_ids) * block_size), so a node can be split only at a block
-boundary and every block the tree owns is full. Children are keyed by the token ids of the
-first block of their edge: two sequences that diverge inside a block are two siblings, and
-each keeps its own cached block.
+Every edge covers whole blocks (len(token_ids) == len(block_ids) * block_size): a node splits
+only at a block boundary and every tree block is full. Children are keyed by the tokens of
+their edge's first block, so two sequences diverging inside a block are two siblings, each
+with its own cached block.
 
-References: the tree holds exactly one pool reference to every block it owns (incref on
-insert, decref on evict / invalidate / drop) and marks it `set_tree_owned(True)` for as long
-as it holds it. Sequences hold their own references; the tree never touches those. One
-RadixCache per BlockPool (tree ownership in the pool is one flag per block); not
-thread-safe: the engine thread is the only caller.
+References: the tree holds exactly one pool reference to each block it owns and marks it
+tree-owned while it does; sequences' references are theirs, never touched here. One
+RadixCache per BlockPool; not thread-safe (the engine thread is the only caller).
 
-Namespaces: one root per namespace key (engine.core.sequence.make_namespace). Nothing is
-ever shared across roots, so two tenants, adapters or weight versions never see each other's
-KV. With max_cached_blocks_per_namespace, a namespace holding more tree blocks than that is
-over its cap and evict() takes its least recently used blocks before anyone else's
-(engine/kv/namespace_quota.py keeps the per-namespace counts and heaps).
+Namespaces: one root per namespace key (engine.core.sequence.make_namespace); nothing is
+shared across roots. With max_cached_blocks_per_namespace, evict() takes an over-cap
+namespace's least recently used blocks first (engine/kv/namespace_quota.py).
 
-Running figures (engine/kv/eviction_queue.py): the evictable count and the LRU heap of
-eviction candidates are kept up to date as blocks change state, so neither allocation nor a
-stats read walks the tree. check_integrity() (engine/kv/radix_integrity.py) recounts them,
-and everything else the tree and the pool must agree on, from scratch.
+Running figures (engine/kv/eviction_queue.py): the evictable count and the LRU heap are kept
+up to date as blocks change state, so neither allocation nor a stats read walks the tree;
+check_integrity() (engine/kv/radix_integrity.py) recounts everything from scratch. The
+read-only tree walks (match, inspection) are in engine/kv/radix_walks.py.
 
-KV events (engine/kv/kv_events.py): built with an event_sink, the cache hashes every block it
-takes and reports BlockStored on insert, BlockRemoved on evict / invalidate / drop_namespace
-(one event per call) and AllBlocksCleared on reset. Without a sink (the default) it hashes
-nothing and reports nothing.
+KV events (engine/kv/kv_events.py), only with an event_sink: BlockStored on insert,
+BlockRemoved on evict / invalidate / drop_namespace (one event per call), AllBlocksCleared on
+reset. Without a sink nothing is hashed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.kv import radix_integrity
+from engine.kv import radix_integrity, radix_walks
 from engine.kv.block_pool import BlockPool
 from engine.kv.cache_diagnosis import MissReason, PrefixTombstones
 from engine.kv.eviction_queue import EvictionQueue
-from engine.kv.kv_events import KVEventRecorder, KVEventSink, chain_block_hashes, namespace_seed
+from engine.kv.kv_events import KVEventRecorder, KVEventSink
 from engine.kv.namespace_quota import NamespaceQuota
 from engine.kv.radix_node import MatchResult, Namespace, RadixNode, path_token_ids, preorder
-
-
-def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    diffs = (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
-    return next(diffs, min(len(a), len(b)))
+from engine.kv.radix_walks import common_prefix_len
 
 
 class RadixCache:
@@ -100,28 +90,7 @@ class RadixCache:
         self._clock += 1
         if root is None or limit <= 0:
             return self._result([], None, 0, None)
-        bs = self.block_size
-        node, block_index, pos = root, 0, 0
-        full_block_ids: list[int] = []
-        last_node: RadixNode | None = None
-        while pos < limit:
-            window = token_ids[pos : min(pos + bs, limit)]
-            if block_index == len(node.block_ids):
-                child = self._best_child(node, window)
-                if child is None:
-                    break
-                node, block_index = child, 0
-            start = block_index * bs
-            num_matching = _common_prefix_len(node.token_ids[start : start + bs], window)
-            if num_matching == 0:
-                break
-            last_node = node
-            if num_matching < bs:
-                return self._result(full_block_ids, node.block_ids[block_index], num_matching, node)
-            full_block_ids.append(node.block_ids[block_index])
-            block_index += 1
-            pos += bs
-        return self._result(full_block_ids, None, 0, last_node)
+        return self._result(*radix_walks.longest_prefix(root, token_ids, limit, self.block_size))
 
     def _result(
         self, full: list[int], partial: int | None, num_partial: int, last: RadixNode | None
@@ -129,19 +98,6 @@ class RadixCache:
         self._touch_path(last)
         num_matched_tokens = len(full) * self.block_size + num_partial
         return MatchResult(tuple(full), partial, num_partial, num_matched_tokens, last)
-
-    def _best_child(self, node: RadixNode, window: Sequence[int]) -> RadixNode | None:
-        """The child sharing the longest prefix with window (>= 1 token), or None."""
-        if len(window) == self.block_size:
-            exact = node.children.get(tuple(window))
-            if exact is not None:
-                return exact
-        best, best_len = None, 0
-        for child in node.children.values():  # insertion order: ties resolve the same way
-            n = _common_prefix_len(child.token_ids[: self.block_size], window)
-            if n > best_len:
-                best, best_len = child, n
-        return best
 
     def _touch_path(self, node: RadixNode | None) -> None:
         deepest = node  # only it can be a leaf: offered again under its new LRU time
@@ -156,13 +112,10 @@ class RadixCache:
     ) -> int:
         """Cache a sequence's full blocks; returns how many blocks the tree took over.
 
-        token_ids are the sequence's tokens from position 0 covered by full blocks
-        (len == len(block_ids) * block_size); block_ids[i] holds the KV of block i. Where
-        the tree already has a block for the same tokens, it keeps its own and the
-        sequence's block stays private to the sequence. Where the tokens are new, the tree
-        increfs the sequence's block and marks it tree-owned (so it becomes read-only).
-        The caller keeps its own references either way. Never pass blocks returned by
-        invalidate(): they would be cached again.
+        token_ids: the sequence's tokens from position 0 (len(block_ids) * block_size). Where
+        the tree holds the same tokens it keeps its own block; a new block is increfed and
+        becomes tree-owned (read-only). The caller keeps its references either way. Never
+        pass blocks invalidate() returned: they would be cached again.
         """
         bs = self.block_size
         if len(token_ids) != len(block_ids) * bs:
@@ -183,7 +136,7 @@ class RadixCache:
                         namespace, parent_block_id, token_ids[index * bs :], block_ids[index:]
                     )
                 return len(block_ids) - index
-            num_blocks = _common_prefix_len(child.token_ids, token_ids[index * bs :]) // bs
+            num_blocks = common_prefix_len(child.token_ids, token_ids[index * bs :]) // bs
             index += num_blocks
             if num_blocks < len(child.block_ids) and index < len(block_ids):
                 child = self._split(child, num_blocks)
@@ -279,12 +232,9 @@ class RadixCache:
 
     # -- eviction and removal -----------------------------------------------------------
     def evict(self, num_blocks: int) -> list[int]:
-        """Free up to num_blocks blocks, least recently used leaves first, tail blocks first.
-
-        Only unlocked leaves whose tail block has refcount 1 (held by the tree alone) are
-        trimmed, so a block a sequence still holds is never taken from the tree. Returns
-        the freed block ids, which are back on the pool's free list.
-        """
+        """Free up to num_blocks blocks, least recently used leaves first, tail blocks first;
+        returns them (back on the pool's free list). Only unlocked leaves whose tail block the
+        tree alone holds are trimmed: a block a sequence holds is never taken."""
         freed: list[int] = []
         while len(freed) < num_blocks:
             node = self._eviction.pop_victim()
@@ -329,14 +279,10 @@ class RadixCache:
         return self._eviction.num_evictable_blocks
 
     def invalidate(self, block_id: int) -> list[int]:
-        """Drop block_id, the blocks after it on its edge and the whole subtree below.
-
-        Their KV was computed from block_id's, so none of it can be trusted (the auditor's
-        quarantine). Blocks before it on the edge stay cached. The tree's references go;
-        sequences holding these blocks keep theirs (and must not insert them again).
-        Locks held on removed nodes stay valid to unlock. Returns the dropped block ids;
-        [] for a block the tree does not hold (never cached, or already evicted).
-        """
+        """Drop block_id, the blocks after it on its edge and the subtree below (their KV was
+        computed from it: the auditor's quarantine); returns them ([] if the tree does not
+        hold block_id). Sequences holding them keep their references and must not insert
+        them again; locks on removed nodes stay valid to unlock."""
         node = self._node_of_block.get(block_id)
         if node is None:
             return []
@@ -350,11 +296,8 @@ class RadixCache:
         return dropped
 
     def drop_namespace(self, namespace: Namespace) -> list[int]:
-        """Forget a namespace's tree (e.g. its weights were unloaded); returns its blocks.
-
-        A later insert() into the same namespace starts a new tree, so the caller stops
-        inserting for sequences of the dropped namespace.
-        """
+        """Forget a namespace's tree (e.g. its weights were unloaded); returns its blocks. A
+        later insert() there starts a new tree: the caller stops inserting for that namespace."""
         dropped = self._drop_tree(namespace)
         self._flush_removed()
         return dropped
@@ -416,20 +359,7 @@ class RadixCache:
     # -- inspection ---------------------------------------------------------------------
     def recent_path_block_ids(self) -> list[int]:
         """Blocks from a root down to the most recently used leaf ([] for an empty tree)."""
-        leaves = [
-            node
-            for root in self._roots.values()
-            for node in preorder(root)
-            if not node.children and not node.is_root
-        ]
-        if not leaves:
-            return []
-        node: RadixNode | None = max(leaves, key=lambda n: (n.last_access, n.node_id))
-        edges: list[list[int]] = []
-        while node is not None and not node.is_root:
-            edges.append(node.block_ids)
-            node = node.parent
-        return [block_id for edge in reversed(edges) for block_id in edge]
+        return radix_walks.recent_path_block_ids(self._roots.values())
 
     def tree_block_ids(self) -> list[int]:
         """Every block the tree holds a reference to, sorted."""
@@ -443,16 +373,7 @@ class RadixCache:
         """block id -> KV event hash of every tree block, recomputed by walking each tree from
         its namespace seed (independent of what the events recorded). Needs an event sink."""
         assert self._events is not None, "block hashes exist only with KV events on"
-        hashes: dict[int, int] = {}
-        for namespace, root in self._roots.items():
-            seed = namespace_seed(namespace)
-            stack = [(child, seed) for child in root.children.values()]
-            while stack:
-                node, parent_hash = stack.pop()
-                chain = chain_block_hashes(parent_hash, node.token_ids, self.block_size)
-                hashes.update(zip(node.block_ids, chain, strict=True))
-                stack.extend((child, chain[-1]) for child in node.children.values())
-        return hashes
+        return radix_walks.block_hashes(self._roots, self.block_size)
 
     def num_blocks_in_namespace(self, namespace: Namespace) -> int:
         """Tree blocks the namespace holds (kept up to date: no walk)."""
@@ -471,11 +392,7 @@ class RadixCache:
         return list(self._roots)
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless the tree and the pool agree.
-
-        Every tree block is tree-owned with refcount >= 1 and appears once in all trees;
-        every tree-owned pool block is in the tree; edges are whole blocks; children are
-        keyed by their first block and point back to their parent; lock counts add up; with KV
-        events, the hashes recorded for the events equal a recompute from the tree.
-        """
+        """Raise AssertionError unless the tree and the pool agree: the tree's blocks are
+        exactly the tree-owned ones, each held and listed once; edges are whole blocks; lock
+        counts and running figures add up; with KV events, the recorded hashes equal a recompute."""
         radix_integrity.check_integrity(self)

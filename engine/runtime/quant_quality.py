@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.batch import ScheduledSeq, SchedulerOutput
-from engine.runtime.model_runner import ModelRunner, prepare_inputs
+from engine.runtime.model_runner import ModelRunner
+from engine.runtime.step_inputs import prepare_inputs
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def score_text(
     """Teacher-force `token_ids` through the runner's model in prefill chunks of
     `chunk_tokens`, as one sequence in blocks 0.. of the runner's KV pool: as a prompt's tokens,
     or (as_prompt False) as tokens the model generated, which the runner may compute on another
-    kernel path (model_runner.tile_rows)."""
+    kernel path (step_inputs.tile_rows)."""
     block_size = runner.block_size
     table = list(range(-(-len(token_ids) // block_size)))
     if len(table) > runner.num_kv_blocks or len(token_ids) > runner.max_model_len:

@@ -1,19 +1,20 @@
 """Step-level continuous batching over the paged KV pool (torch-free).
 
-Each step: decodes first (one token per decoding sequence, preempting the lowest-priority
-running sequence, the newest among equals, by recompute when blocks run out, after cached
-blocks were evicted; under fair share, one of the largest tenant over its share of the pool,
-else of the tenant short of blocks: fair_share.preemption_victim), then prefill
-chunks of running sequences, then admission of waiting sequences, all under a token budget
-and a sequence cap. The scheduler reaches KV memory only through KVCacheManager.
+Each step: decodes first (one token each; when blocks run out, after evicting cached ones,
+the lowest-priority running sequence, the newest among equals, is preempted by recompute;
+under fair share, one of the largest tenant over its share of the pool, else of the tenant
+short of blocks: fair_share.preemption_victim), then prefill chunks of running sequences,
+then admissions of waiting ones, all under a token budget and a sequence cap. The scheduler
+reaches KV memory only through KVCacheManager.
 
-Admission order and the in-batch hold of followers live in admission.py; the live requests
-and sequences, the two queues and a sequence's state changes in request_table.py; the layout
-of each scheduled chunk in the step's SchedulerOutput in step_builder.py.
+Around it: admission.py orders the waiting queue and holds followers, step_admission.py
+admits (the base class of Scheduler), request_table.py keeps the live requests, queues and
+state changes, step_builder.py lays out each chunk, output_processor.py applies the runner's
+output.
 
 Write audit: a slot mapping that would write into a shared or cached block (a bug upstream)
-fails only the request it belongs to, with an error, quarantines the block, is counted in
-num_write_violations, and the step goes on without that sequence.
+fails only its request, with an error, quarantines the block, counts in num_write_violations,
+and the step goes on without that sequence.
 """
 
 from __future__ import annotations
@@ -23,20 +24,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from engine.core.batch import (
-    CacheHit,
-    ModelRunnerOutput,
-    SampledToken,
-    ScheduledSeq,
-    SchedulerOutput,
-)
-from engine.core.protocol import (
-    CompletionOutput,
-    EngineRequest,
-    EngineStats,
-    FinishReason,
-    RequestOutput,
-)
+from engine.core.batch import CacheHit, ModelRunnerOutput, SchedulerOutput
+from engine.core.protocol import EngineRequest, EngineStats, FinishReason, RequestOutput
 from engine.core.seeds import random_seed
 from engine.core.sequence import Request, Sequence, SequenceStatus, make_namespace
 from engine.core.spec_ngram import NgramProposer
@@ -45,20 +34,21 @@ from engine.sched.admission import AdmissionPolicy
 from engine.sched.fair_share import (
     FairShare,
     FairShareWeights,
-    PrefillCap,
     blocks_by_tenant,
     preemption_victim,
     tenants_over_share,
 )
+from engine.sched.output_processor import OutputProcessor
 from engine.sched.request_table import RequestTable
 from engine.sched.scheduler_stats import SchedulerCounters, engine_stats
 from engine.sched.spec_scheduling import SpecScheduling
+from engine.sched.step_admission import StepAdmission
 from engine.sched.step_builder import StepBuilder
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(StepAdmission):
     """Decides, each step, which tokens of which sequences the model runner computes.
 
     The engine calls schedule(), runs the model, then update_from_output() — after EVERY
@@ -66,20 +56,16 @@ class Scheduler:
     never fit the pool) are reported there. add_request/abort_request/fail_seqs are called
     between steps, from the same thread.
 
-    weights_version goes into every request's prefix-cache namespace
-    (make_namespace(weights_version, None, request.cache_salt)); scheduling_policy is
-    "fcfs", "longest-prefix-first" or "fair-share" (see admission.py; fair_share_weights
-    price the service each tenant's counter is charged, under every policy). Under fair
-    share, while two or more tenants are active (a live request, or the last one ended less
-    than fair_share_active_seconds ago by `clock`), the prefill tokens of a step other than
-    the least-served active tenant's share a cap of fair_share_prefill_tokens (0: no cap;
-    engine/sched/fair_share.py PrefillCap). With record_cache_hits, every first admission
-    that reuses cached tokens is kept as a CacheHit for take_cache_hits() (the engine drains
-    them every step for the auditor).
-
-    With a `proposer`, decodes may carry a speculative draft (only in steps where at most
-    speculative_max_decodes sequences decode; 0: any number): what is drafted and what a
-    verified step keeps is decided in engine/sched/spec_scheduling.py.
+    weights_version goes into every request's cache namespace (make_namespace).
+    scheduling_policy: "fcfs", "longest-prefix-first" or "fair-share" (admission.py);
+    fair_share_weights price what each tenant's counter is charged, under every policy. Under
+    fair share, while two or more tenants are active (a live request, or one that ended less
+    than fair_share_active_seconds ago by `clock`), the prefill tokens of tenants other than
+    the least served share a cap of fair_share_prefill_tokens (0: none; fair_share.PrefillCap).
+    With record_cache_hits, each first admission that reuses cached tokens is kept as a
+    CacheHit for take_cache_hits() (the engine drains them every step for the auditor).
+    With a `proposer`, decodes may carry a speculative draft in steps with at most
+    speculative_max_decodes decodes (0: any number; spec_scheduling.py).
     """
 
     def __init__(
@@ -121,6 +107,15 @@ class Scheduler:
             proposer, kv_cache_manager, max_model_len, max_decodes=speculative_max_decodes
         )
         self._was_solo = False  # the last step was one tenant's alone (fair share)
+        self.output_processor = OutputProcessor(
+            self.table,
+            kv_cache_manager,
+            self.spec,
+            self.counters,
+            self.fair_share,
+            self.eos_token_ids,
+            max_model_len,
+        )
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -271,37 +266,13 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        """Append sampled tokens, fork n-choice requests, apply stop checks, free finished.
+        """Append sampled tokens, fork n-choice requests, apply stop checks, free finished
+        (engine/sched/output_processor.py).
 
         Returns one delta per request that changed, plus requests finished outside a step.
         Sequences finished since schedule() (aborted, failed) are skipped.
         """
-        completions: dict[str, list[CompletionOutput]] = {}
-        for scheduled in scheduler_output.seqs:
-            seq = self.table.seqs.get(scheduled.seq_id)
-            if seq is None:
-                continue
-            if scheduled.draft_token_ids:
-                completion = self._verify(seq, scheduled, runner_output)
-                completions.setdefault(seq.request_id, []).append(completion)
-                continue
-            self.kv_cache_manager.insert_prefix(seq)  # its chunk is computed: cache full blocks
-            if scheduled.prompt_logprobs is not None:
-                seq.add_prompt_logprobs(runner_output.prompt_logprobs[seq.seq_id])
-            if scheduled.sample is None:
-                if seq.is_prompt_only and seq.num_uncomputed_tokens == 0:
-                    completions.setdefault(seq.request_id, []).extend(
-                        self.table.finish_quietly(seq, FinishReason.LENGTH)
-                    )
-                continue
-            sampled = self._sampled_tokens(runner_output, seq)
-            for choice_seq, token in zip(self.table.fork(seq), sampled, strict=True):
-                completion = self._append_token(choice_seq, token)
-                completions.setdefault(seq.request_id, []).append(completion)
-        outputs = self.table.take_pending_outputs()
-        for request_id, request_completions in completions.items():
-            request = self.table.requests[request_id]
-            outputs.append(self.table.request_output(request, request_completions))
+        outputs = self.output_processor.process(scheduler_output, runner_output)
         self._observe_tenants()  # the requests that ended in this step end now
         return outputs
 
@@ -311,7 +282,7 @@ class Scheduler:
         self.table.check_integrity()
         assert self.table.num_seats <= self.max_num_seqs
 
-    # -- schedule phases -------------------------------------------------------------------
+    # -- schedule phases (admissions: StepAdmission) -----------------------------------------
     def _schedule_decodes(self, step: StepBuilder, only_tenant: str | None = None) -> None:
         """One token per decoding sequence (only only_tenant's, when given); those with a
         draft come after the plain decodes (their 1 + k tokens are verified like a prefill
@@ -369,112 +340,15 @@ class Scheduler:
             if num_tokens > 0 and self._reserve_slots(step, seq, num_tokens):
                 self._add_prefill_chunk(step, seq, num_tokens)
 
-    # -- fair share ------------------------------------------------------------------------
-    def _prefilling_tenants(self) -> set[str]:
-        return {seq.tenant for seq in self.table.running if not seq.is_decoding}
-
-    def _admit_ahead_of_running_prefills(self, step: StepBuilder, prefilling: set[str]) -> None:
-        """Tenants with no prefill running (not in `prefilling`), served no more than every
-        tenant with one, are admitted before the running chunks: a tenant just lifted to the
-        least counter ties with it and goes first. A tenant's own waiting requests never jump
-        its own chunks."""
-        if not prefilling:
-            return
-        least = min(self.fair_share.counter(tenant) for tenant in prefilling)
-        waiting = [seq for seq in self.table.waiting if seq.tenant not in prefilling]
-        self._admit_waiting(step, waiting, up_to=least)
-
-    def _solo_tenant(self, cap: PrefillCap | None) -> str | None:
-        """The tenant whose step this is, alone, or None: while the prefill cap applies, the
-        favoured tenant's request waiting for its first chunk gets a step without the other
-        tenants' decodes and chunks (they wait this one step: never two in a row), when it
-        has a seat. Its first token then costs its own prompt's step, not the others' rows."""
-        if cap is None or self._was_solo:
-            return None
-        favoured = cap.favoured
-        if all(seq.tenant == favoured for seq in self.table.running):
-            return None  # nobody else to wait
-        for seq in self.table.waiting:
-            if seq.tenant == favoured and not seq.was_admitted:
-                return favoured if self._has_seat(seq) else None
-        return None
-
-    def _has_seat(self, seq: Sequence) -> bool:
-        """Whether seq's choices fit beside the running ones under max_num_seqs."""
-        return self.table.num_seats + seq.num_choices <= self.max_num_seqs
-
-    def _prefill_cap(self, prefilling: set[str]) -> PrefillCap | None:
-        if not self.is_fair_share:
-            return None
-        return self.fair_share.prefill_cap(self._live_tenants(), prefilling)
-
-    def _observe_tenants(self) -> None:
-        if self.is_fair_share:
-            self.fair_share.observe(self._live_tenants())
-
-    def _live_tenants(self) -> list[str]:
-        return [seq.tenant for seq in self.table.seqs.values()]  # oldest first
-
-    def _admit_waiting(
-        self, step: StepBuilder, waiting: Iterable[Sequence], up_to: float | None = None
-    ) -> None:
-        """Admit from `waiting` in policy order until the budget, the seats or the pool runs
-        out; with `up_to` (fair share), only while the next tenant's counter is at most it.
-        A tenant the prefill cap leaves no tokens is passed over."""
-        for seq in self.admission.order(waiting, self._num_steps):
-            if step.budget == 0:
-                break
-            if up_to is not None and self.fair_share.counter(seq.tenant) > up_to:
-                break
-            if self._can_never_fit(seq):
-                self._reject(seq)
-                continue
-            if not self._has_seat(seq):
-                break
-            budget = step.prefill_budget(seq.tenant)
-            if budget == 0 or self.admission.is_held(seq, self.table.running):
-                continue
-            num_tokens = self.kv_cache_manager.admit(seq, budget)
-            if num_tokens is None:
-                break
-            self.table.admit(seq)
-            cached_block_ids = self.kv_cache_manager.take_admitted_cache_blocks(seq)
-            self._record_first_admission(seq, cached_block_ids)
-            self.fair_share.charge_prompt(seq.tenant, 0, seq.num_computed_tokens)
-            self._add_prefill_chunk(step, seq, num_tokens)
-
     def _add_prefill_chunk(self, step: StepBuilder, seq: Sequence, num_tokens: int) -> None:
         """A prefill chunk, charged to seq's tenant as computed prompt tokens (outputs
         recomputed after a preemption count as prompt: they are computed again)."""
         step.add_chunk(seq, num_tokens)
         self.fair_share.charge_prompt(seq.tenant, num_tokens)
 
-    def _record_first_admission(self, seq: Sequence, cached_block_ids: list[int]) -> None:
-        """num_cached_tokens: the prompt tokens reused when seq was first admitted."""
-        if seq.was_admitted:
-            return
-        seq.was_admitted = True
-        seq.num_cached_tokens = seq.num_computed_tokens
-        seq.cache_diagnosis = self.kv_cache_manager.diagnose(seq)
-        if self.kv_cache_manager.is_prefix_caching:
-            self.counters.prefix_cache_queries += seq.num_prompt_tokens
-            self.counters.prefix_cache_hits += seq.num_cached_tokens
-        if self.record_cache_hits and seq.num_cached_tokens > 0:
-            hit = CacheHit(
-                seq.seq_id,
-                seq.request_id,
-                seq.prompt_token_ids,
-                cached_block_ids,
-                seq.num_cached_tokens,
-            )
-            self._cache_hits.append(hit)
-
     def _reserve_slots(self, step: StepBuilder, seq: Sequence, num_tokens: int) -> bool:
         """allocate_slots, preempting an unscheduled running seq until it fits (see
-        _preemption_victim).
-
-        False when seq itself was the one preempted.
-        """
+        _preemption_victim); False when seq itself was the one preempted."""
         while not self.kv_cache_manager.allocate_slots(seq, num_tokens):
             victim = self._preemption_victim(step, seq)
             self.table.preempt(victim)
@@ -511,57 +385,3 @@ class Scheduler:
             )
             message = f"internal KV cache error (write into a shared block): {violation}"
             self.table.add_pending_output(self.table.fail_request(request, message))
-
-    # -- admission limits ------------------------------------------------------------------
-    def _can_never_fit(self, seq: Sequence) -> bool:
-        num_blocks = self.kv_cache_manager.num_blocks_for(seq.num_tokens)
-        return (
-            num_blocks > self.kv_cache_manager.num_total_blocks
-            or seq.num_choices > self.max_num_seqs
-        )
-
-    def _reject(self, seq: Sequence) -> None:
-        """A sequence the pool can never hold: an error for a prompt; a choice that
-        outgrew the pool mid-generation ends with LENGTH (the pool is its context limit)."""
-        request = self.table.requests[seq.request_id]
-        if seq.output_token_ids:
-            completions = self.table.finish_quietly(seq, FinishReason.LENGTH)
-            self.table.add_pending_output(self.table.request_output(request, completions))
-            return
-        message = (
-            f"the request needs {self.kv_cache_manager.num_blocks_for(seq.num_tokens)} KV "
-            f"blocks for its {seq.num_tokens} tokens but the pool has "
-            f"{self.kv_cache_manager.num_total_blocks}"
-        )
-        if seq.num_choices > self.max_num_seqs:
-            message = f"n={seq.num_choices} exceeds max_num_seqs={self.max_num_seqs}"
-        self.table.add_pending_output(self.table.fail_request(request, message))
-
-    # -- update phases ---------------------------------------------------------------------
-    @staticmethod
-    def _sampled_tokens(runner_output: ModelRunnerOutput, seq: Sequence) -> list[SampledToken]:
-        sampled = runner_output.sampled.get(seq.seq_id)
-        if sampled is None or len(sampled) != seq.num_choices:
-            raise RuntimeError(
-                f"runner returned {sampled!r} for seq {seq.seq_id}, "
-                f"expected {seq.num_choices} sampled token(s)"
-            )
-        return sampled
-
-    def _verify(
-        self, seq: Sequence, scheduled: ScheduledSeq, runner_output: ModelRunnerOutput
-    ) -> CompletionOutput:
-        completion, num_kept = self.spec.verify(seq, scheduled, runner_output, self._append_token)
-        self.counters.num_spec_draft_tokens += len(scheduled.draft_token_ids)
-        self.counters.num_spec_accepted_tokens += num_kept
-        return completion
-
-    def _append_token(self, seq: Sequence, token: SampledToken) -> CompletionOutput:
-        seq.output_token_ids.append(token.token_id)
-        self.counters.num_generation_tokens += 1
-        self.fair_share.charge_output(seq.tenant)
-        reason, stop_token_id = seq.check_stop(self.eos_token_ids, self.max_model_len)
-        if reason is not None:
-            self.kv_cache_manager.insert_prefix(seq)  # prompt + outputs, for the next turn
-            self.table.retire(seq, reason)
-        return seq.completion(token, reason, stop_token_id)

@@ -25,7 +25,8 @@ from engine.core.sequence import Sequence
 from engine.core.spec_ngram import NgramProposer, merge_completions, num_accepted
 from engine.kv.kv_cache_manager import KVCacheManager
 
-# Scheduler._append_token: appends one token, counts it, applies stop checks (may retire seq).
+# OutputProcessor._append_token: appends one token, counts it, applies stop checks (may
+# retire seq).
 AppendToken = Callable[[Sequence, SampledToken], CompletionOutput]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from tiny_tokenizer import FAKE_TEXTS
 
 from engine.core.protocol import (
+    AdmittedRequest,
     CompletionOutput,
     EngineRequest,
     EngineStats,
@@ -27,6 +28,7 @@ from engine.core.protocol import (
     TokenLogprob,
 )
 from engine.core.sampling_params import SamplingParams
+from engine.core.validation import validate_request
 from engine.tokenizer import Tokenizer
 
 
@@ -74,6 +76,7 @@ class FakeEngine:
         self.started = False
         self.shut_down = False
         self.requests: list[EngineRequest] = []
+        self.admissions: list[tuple[str, str]] = []  # (request id, prompt_param) per admit()
         self.aborts: list[tuple[str, int | None]] = []
         self.closed: list[str] = []  # request ids whose generate() iterator ended
         self.failure: Failure | None = None  # applies to every following request
@@ -117,9 +120,15 @@ class FakeEngine:
     async def shutdown(self) -> None:
         self.shut_down = True
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        self.requests.append(request)
-        return self._generate(request)
+    def admit(self, request: EngineRequest, prompt_param: str = "prompt") -> AdmittedRequest:
+        """The engine's own check (no grammar: the fake follows no schema)."""
+        validate_request(request, self._model_info, prompt_param=prompt_param)
+        self.admissions.append((request.request_id, prompt_param))
+        return AdmittedRequest(request)
+
+    def generate(self, admitted: AdmittedRequest) -> AsyncIterator[RequestOutput]:
+        self.requests.append(admitted.request)
+        return self._generate(admitted.request)
 
     # -- scripted generation ------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import pytest
 from fake_engine import FakeEngine
 from fastapi import FastAPI
 
-import app.json_schema
+import app.openai.json_schema
 from app.server import create_app
 from app.settings import ServerSettings, Settings
 
@@ -128,7 +128,7 @@ async def post_then_disconnect(
 
 
 def spy_schema_serializations(monkeypatch: pytest.MonkeyPatch) -> list[object]:
-    """What app/json_schema.py serializes from now on (every canonical schema text is its
+    """What app/openai/json_schema.py serializes from now on (every canonical schema text is its
     json.dumps), in order: a request's schema should appear once."""
     dumped: list[object] = []
 
@@ -138,5 +138,5 @@ def spy_schema_serializations(monkeypatch: pytest.MonkeyPatch) -> list[object]:
             dumped.append(value)
             return json.dumps(value, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(app.json_schema, "json", CountingJson)
+    monkeypatch.setattr(app.openai.json_schema, "json", CountingJson)
     return dumped

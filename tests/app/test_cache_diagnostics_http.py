@@ -93,7 +93,7 @@ async def test_a_cache_salt_sees_only_its_own_recent_prompts(client) -> None:
 async def test_the_cache_report_renders_its_segments_off_the_event_loop(client, monkeypatch):
     import threading
 
-    from app.cache_diagnostics import RecentPrompt
+    from app.diagnostics.cache import RecentPrompt
 
     threads = []
     segments = RecentPrompt.segments

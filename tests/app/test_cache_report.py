@@ -1,12 +1,12 @@
-"""The tenant cache report's core (app/cache_report.py) and RecentPrompts' bounds, on token ids
-with a stub tokenizer: exact offsets, the finding, and when there is none."""
+"""The tenant cache report's core (app/diagnostics/cache_report.py) and RecentPrompts'
+bounds, on token ids with a stub tokenizer: exact offsets, the finding, and when there is none."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.cache_diagnostics import RecentPrompt, RecentPrompts, Segment, first_difference_index
-from app.cache_report import build_report
+from app.diagnostics.cache import RecentPrompt, RecentPrompts, Segment, first_difference_index
+from app.diagnostics.cache_report import build_report
 from app.errors import APIError
 
 

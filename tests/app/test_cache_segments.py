@@ -1,4 +1,4 @@
-"""Segments of a chat prompt (app/cache_diagnostics.py) on the tiny tokenizer: the tool
+"""Segments of a chat prompt (app/diagnostics/cache.py) on the tiny tokenizer: the tool
 definitions are a segment of their own, wherever the template renders them."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from tiny_tokenizer import build_tiny_tokenizer
 
-from app.cache_diagnostics import Segment, chat_segments, first_difference_index, segment_at
-from engine.tokenizer import GENERIC_TOOLS_PROMPT, Tokenizer
+from app.diagnostics.cache import Segment, chat_segments, first_difference_index, segment_at
+from engine.chat_template import GENERIC_TOOLS_PROMPT
+from engine.tokenizer import Tokenizer
 
 # ChatML that lists the tools in the system block itself, after the system message (Qwen's way).
 TOOLS_TEMPLATE = (

@@ -22,7 +22,7 @@ from engine.core.errors import (
     ParamError,
     UnknownFaultKind,
 )
-from engine.core.protocol import EngineRequest, FaultReport, RequestOutput
+from engine.core.protocol import AdmittedRequest, FaultReport, RequestOutput
 from engine.tokenizer import ChatTemplateError
 
 pytestmark = pytest.mark.anyio
@@ -81,8 +81,8 @@ class RefusingEngine(FakeEngine):
 
     error: Exception = KVShareError("unset")
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        self.requests.append(request)
+    def generate(self, admitted: AdmittedRequest) -> AsyncIterator[RequestOutput]:
+        self.requests.append(admitted.request)
         return self._refuse()
 
     async def _refuse(self) -> AsyncIterator[RequestOutput]:
@@ -133,23 +133,24 @@ async def test_fault_drill_refusals_are_mapped_by_the_table(
     assert response.json()["error"]["message"] == str(error)
 
 
-async def test_the_http_edge_validates_each_engine_request_once(
-    client, engine, monkeypatch
+async def test_the_engine_admits_each_engine_request_once_and_runs_what_it_admitted(
+    client, engine
 ) -> None:
-    import app.serving
-
-    calls: list[tuple[str, str]] = []
-    real = app.serving.validate_request
-
-    def counting(request, model_info, *, prompt_param):
-        calls.append((request.request_id, prompt_param))
-        real(request, model_info, prompt_param=prompt_param)
-
-    monkeypatch.setattr(app.serving, "validate_request", counting)
     chat = await client.post("/v1/chat/completions", json=chat_body())
     completions = await client.post(
         "/v1/completions", json={"model": "fake-model", "prompt": ["a", "b"]}
     )
     assert (chat.status_code, completions.status_code) == (200, 200)
     ids = [request.request_id for request in engine.requests]
-    assert calls == [(ids[0], "messages"), (ids[1], "prompt"), (ids[2], "prompt")]
+    assert engine.admissions == [(ids[0], "messages"), (ids[1], "prompt"), (ids[2], "prompt")]
+
+
+async def test_a_prompt_the_engine_refuses_at_admission_is_a_400_before_any_stream(
+    client, engine
+) -> None:
+    vocab_size = engine.model_info.vocab_size
+    body = {"model": "fake-model", "prompt": [1, vocab_size], "stream": True}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "prompt"
+    assert engine.requests == []  # nothing ran

@@ -1,4 +1,5 @@
-"""app/json_schema.py's keyword table, proven against xgrammar (the engine's grammar library).
+"""app/openai/json_schema.py's keyword table, proven against xgrammar (the engine's grammar
+library).
 
 Every keyword (and format) the table accepts has a case here: a schema the edge accepts, an
 instance that conforms and one that violates it (jsonschema agrees), and xgrammar's matcher
@@ -17,7 +18,7 @@ import pytest
 import xgrammar as xgr
 from jsonschema import Draft202012Validator
 
-from app.json_schema import (
+from app.openai.json_schema import (
     ANNOTATIONS,
     DEFINITIONS,
     FORMATS,

@@ -1,9 +1,9 @@
 """Limits on what one request can make the server do.
 
-Every cap (a server setting, app/limits.py) is met exactly by one request (served) and passed
-by one (a 400 naming the field) while a normal request is in the middle of generating, which
-then completes. OpenAI's fixed ranges (temperature 0..2, ...) are refused the same way. And a
-request's preparation (chat template, tokenizer) runs off the event loop.
+Every cap (a server setting, app/serving/limits.py) is met exactly by one request (served)
+and passed by one (a 400 naming the field) while a normal request is in the middle of
+generating, which then completes. OpenAI's fixed ranges (temperature 0..2, ...) are refused the
+same way. And a request's preparation (chat template, tokenizer) runs off the event loop.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from fake_engine import FakeEngine
 from helpers import chat_body, open_client
 from openai_schemas import assert_valid
 
-from app.json_schema import canonical_json
+from app.openai.json_schema import canonical_json
 from app.settings import ServerSettings, Settings
 from engine.core.config import MAX_SCHEMA_BYTES_CEILING, EngineConfig
 from engine.core.errors import ParamError

@@ -21,8 +21,11 @@ from fake_engine import FakeEngine, fake_logprob
 from helpers import MODEL, chat_body, sse_chunks
 from starlette.responses import JSONResponse
 
-from app import formatting, serving, streaming
-from app.formatting import ChatFormatter, CompletionFormatter
+from app import streaming
+from app.openai import formatting
+from app.openai.chat_format import ChatFormatter
+from app.openai.completion_format import CompletionFormatter
+from app.serving import service
 
 pytestmark = pytest.mark.anyio
 
@@ -102,7 +105,7 @@ def watch_building(
     # The encoders now, and those of the streamed chunks before (absent names are skipped).
     for module, name in (
         (formatting, "json_body"),
-        (serving, "sse_event"),
+        (service, "sse_event"),
         (streaming, "sse_event"),
     ):
         if hasattr(module, name):

@@ -10,7 +10,7 @@ from fake_engine import FakeEngine
 from helpers import chat_body, spy_schema_serializations
 from openai_schemas import assert_valid
 
-from app.json_schema import (
+from app.openai.json_schema import (
     MAX_SCHEMA_BYTES,
     MAX_SCHEMA_DEPTH,
     SchemaRefused,
@@ -87,7 +87,7 @@ async def test_equal_schemas_give_equal_text(client, engine: FakeEngine):
 async def test_the_schema_is_serialized_once_per_request(
     client, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch, url
 ):
-    """One canonical text serves the size cap (app/limits.py), the keyword check and the
+    """One canonical text serves the size cap (app/serving/limits.py), the keyword check and the
     engine: the schema is serialized once."""
     serialized = spy_schema_serializations(monkeypatch)
     response = await client.post(url, json=body_for(url, json_schema()))
@@ -105,7 +105,7 @@ async def test_streamed_request_carries_the_constraint(client, engine: FakeEngin
 DEEP: dict = {"type": "array"}
 for _ in range(MAX_SCHEMA_DEPTH):
     DEEP = {"type": "array", "items": DEEP}
-BIG = {  # over the default max_schema_bytes (and the ceiling): app/limits.py refuses it
+BIG = {  # over the default max_schema_bytes (and the ceiling): app/serving/limits.py refuses it
     "type": "object",
     "properties": {f"p{i}": {"type": "string"} for i in range(MAX_SCHEMA_BYTES // 20)},
 }

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.response_store import (
+from app.responses.store import (
     SqliteResponseStore,
     StoredResponse,
     StoreLimits,

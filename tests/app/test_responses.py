@@ -16,7 +16,7 @@ from helpers import (
 from openai_schemas import assert_valid
 from tiny_tokenizer import FAKE_TEXTS
 
-from app.responses_request import input_messages
+from app.responses.request import input_messages
 from app.server import create_app
 
 pytestmark = pytest.mark.anyio

@@ -14,11 +14,11 @@ from helpers import MODEL, make_settings, post_then_disconnect, wait_ready
 from openai_schemas import VENDORED, assert_valid
 from tiny_tokenizer import FAKE_TEXTS
 
-from app.responses_format import response_object
-from app.responses_request import ResponsesRequest
-from app.responses_stream import ResponseStream
+from app.responses.format import response_object
+from app.responses.request import ResponsesRequest
+from app.responses.stream import ResponseStream
 from app.server import create_app
-from app.serving import RequestRecord
+from app.serving.records import RequestRecord
 
 pytestmark = pytest.mark.anyio
 

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from app.request_parts import NamedToolChoice, Tool
-from app.structured_output import structured_output, tool_structured_output
+from app.openai.request_parts import NamedToolChoice, Tool
+from app.openai.structured_output import structured_output, tool_structured_output
 from tests.app.schema_walk import check_key_order, compiler, pairs_in_order, walk
 
 NAMES = st.sampled_from(["zeta", "alpha", "mid", "b", "a", "reasoning", "answer", "x_1"])

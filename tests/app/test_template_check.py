@@ -1,5 +1,5 @@
-"""The append-only check of chat templates (app/template_check.py) on the tiny tokenizer, and
-the diagnostics it changes: exact message indices."""
+"""The append-only check of chat templates (app/diagnostics/template_check.py) on the tiny
+tokenizer, and the diagnostics it changes: exact message indices."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 from helpers import make_settings, open_client
 from tiny_tokenizer import build_tiny_tokenizer
 
-from app.cache_diagnostics import DiagnosticsContext, chat_segments
+from app.diagnostics.cache import DiagnosticsContext, chat_segments
+from app.diagnostics.template_check import check_chat_template, first_rewritten_message
 from app.metrics import ServerMetrics
 from app.settings import SettingsError, load_settings
-from app.template_check import check_chat_template, first_rewritten_message
 from engine.core.protocol import CacheDiagnosis
 from engine.tokenizer import Tokenizer
 

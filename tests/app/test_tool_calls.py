@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from app.tool_calls import ParsedCall, ToolCallMode, ToolCallParser, forced_calls
+from app.openai.tool_calls import ParsedCall, ToolCallMode, ToolCallParser, forced_calls
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}'
 TIME = '{"name": "get_time", "arguments": {}}'

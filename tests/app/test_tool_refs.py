@@ -12,8 +12,8 @@ import pytest
 import xgrammar as xgr
 from helpers import chat_body
 
-from app.request_parts import NamedToolChoice, Tool
-from app.structured_output import structured_output, tool_structured_output
+from app.openai.request_parts import NamedToolChoice, Tool
+from app.openai.structured_output import structured_output, tool_structured_output
 from engine.core.config import EngineConfig
 from engine.core.errors import ParamError
 from engine.core.protocol import ModelInfo

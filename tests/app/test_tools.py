@@ -12,8 +12,8 @@ from helpers import chat_body, spy_schema_serializations, sse_chunks
 from openai_schemas import assert_valid
 from tiny_tokenizer import build_tiny_tokenizer
 
-from app.json_schema import canonical_json
-from app.structured_output import MAX_PARALLEL_TOOL_CALLS, NO_ARGUMENTS
+from app.openai.json_schema import canonical_json
+from app.openai.structured_output import MAX_PARALLEL_TOOL_CALLS, NO_ARGUMENTS
 from engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.anyio
@@ -183,7 +183,7 @@ async def test_tool_choice_reaches_the_engine_as_its_grammar(client, engine, fie
 
 @pytest.mark.parametrize("fields", [fields for fields, kind, _ in STRUCTURED if kind])
 async def test_parameters_are_serialized_once_per_request(client, engine, monkeypatch, fields):
-    """The size caps (app/limits.py) and the keyword check share one canonical text of each
+    """The size caps (app/serving/limits.py) and the keyword check share one canonical text of each
     tool's parameters; the grammar's own document (the calls around them) is one more."""
     serialized = spy_schema_serializations(monkeypatch)
     response = await client.post(CHAT, json={**tools_body(), **fields})

@@ -13,7 +13,7 @@ import pytest
 from benchmarks.diagnostics_overhead import cpu_seconds, paired
 from benchmarks.scheduler_cost import run
 from benchmarks.server_step_timeline import summarize
-from benchmarks.serving import proc_cpu_seconds
+from benchmarks.servers import proc_cpu_seconds
 
 
 def test_paired_is_the_median_of_same_round_ratios_with_quartiles():

@@ -7,19 +7,10 @@ from __future__ import annotations
 import pytest
 
 from app.metrics import ServerMetrics
-from benchmarks import replicas
-from benchmarks.replicas import (
-    Run,
-    aggregate,
-    block_size_in,
-    counters,
-    goal,
-    history_blocks,
-    parse_args,
-)
+from benchmarks.replicas import parse_args
+from benchmarks.replicas_report import Run, aggregate, block_size_in, counters, goal, history_blocks
+from benchmarks.serving import RequestResult
 from engine.core.protocol import EngineStats
-
-RequestResult = replicas.serving.RequestResult
 
 
 def test_defaults_run_four_pools_with_pausing_users():

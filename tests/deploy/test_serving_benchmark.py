@@ -17,21 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from benchmarks.serving import (
-    SHARED_PREFIX_WORDS,
-    BenchmarkConfig,
-    RequestResult,
-    arrival_delays,
-    build_workload,
-    distribution,
-    format_markdown,
-    main,
-    parse_args,
-    percentile,
-    run_benchmark,
-    summarize,
-    think_times,
-)
+from benchmarks.run_summary import distribution, format_markdown, percentile, summarize
+from benchmarks.serving import BenchmarkConfig, RequestResult, main, parse_args, run_benchmark
+from benchmarks.workloads import SHARED_PREFIX_WORDS, arrival_delays, build_workload, think_times
 
 BASE_URL = "http://fake/v1"
 EOS_AFTER = 3  # the fake model "emits EOS" after this many tokens unless ignore_eos is set

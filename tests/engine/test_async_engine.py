@@ -28,7 +28,8 @@ def anyio_backend() -> str:
 async def _run(engine: AsyncEngine, request_id: str, prompt: list[int]) -> int:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     num_tokens = 0
-    async for output in engine.generate(EngineRequest(request_id, prompt, params)):
+    admitted = await asyncio.to_thread(engine.admit, EngineRequest(request_id, prompt, params))
+    async for output in engine.generate(admitted):
         num_tokens += sum(len(choice.new_token_ids) for choice in output.outputs)
     return num_tokens
 

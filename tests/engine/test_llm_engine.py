@@ -224,22 +224,34 @@ def test_bad_input_is_refused_and_leaks_nothing(tiny_model_dir, make_request, pa
     assert_all_blocks_free(engine)
 
 
-def test_a_request_validated_at_its_edge_is_not_validated_again(tiny_model_dir, monkeypatch):
-    """AsyncEngine's path: app/serving.py validated it, so add_request(is_validated=True) only
-    queues it; the offline call validates exactly once."""
+def test_a_request_is_checked_once_when_admitted_and_not_again_when_queued(
+    tiny_model_dir, monkeypatch
+):
+    """AsyncEngine's path: admit() (a worker thread) checks the request, add_admitted() (the
+    engine thread) only queues it; the offline add_request() is both, checking once."""
     engine = _shared_engine(tiny_model_dir)
     calls = []
     monkeypatch.setattr(
         "engine.llm_engine.validate_request",
-        lambda *args: calls.append(args[0]) or validate_request(*args),
+        lambda *args, **kwargs: calls.append(args[0]) or validate_request(*args, **kwargs),
     )
     edge, offline = EngineRequest("edge", [5, 6], GREEDY), EngineRequest("offline", [7], GREEDY)
-    engine.add_request(edge, is_validated=True)
+    admitted = engine.admit(edge, "messages")
+    assert (admitted.request, admitted.grammar, calls) == (edge, None, [edge])
+    engine.add_admitted(admitted)
     engine.add_request(offline)
-    assert calls == [offline]
+    assert calls == [edge, offline]
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_blocks_free(engine)
+
+
+def test_admit_names_the_prompt_field_it_is_given(tiny_model_dir):
+    engine = _shared_engine(tiny_model_dir)
+    with pytest.raises(ParamError) as info:
+        engine.admit(EngineRequest("empty", [], GREEDY), "messages")
+    assert info.value.param == "messages"
+    assert not engine.has_unfinished_requests()
 
 
 _ENGINES: dict[str, LLMEngine] = {}

@@ -181,21 +181,26 @@ def test_a_grammar_error_or_time_out_fails_only_its_request(model_dir):
     assert engine.stats().num_grammar_compile_failures == 2
 
 
-def test_async_engine_compiles_before_queuing(model_dir):
+def test_async_engine_compiles_when_it_admits_and_runs_what_it_compiled(model_dir, monkeypatch):
+    compiled = []
+
     async def scenario() -> list[int]:
         config = EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=64)
         engine = await started_async_engine(config)
+        cache = engine._engine.grammar_cache
+        real = cache.compile_for
+        monkeypatch.setattr(cache, "compile_for", lambda *a: compiled.append(a) or real(*a))
         bad = StructuredOutput("json_schema", schema_text({"$ref": "#/$defs/missing"}))
-        with pytest.raises(ParamError):
-            async for _ in engine.generate(
-                EngineRequest("bad", [1, 3], SamplingParams(structured=bad))
-            ):
-                pass
+        with pytest.raises(ParamError):  # refused before anything is queued
+            engine.admit(EngineRequest("bad", [1, 3], SamplingParams(structured=bad)))
         token_ids: list[int] = []
         request = EngineRequest("good", [1, 3], constrained(SCHEMAS[1], seed=3, n=1))
-        async for output in engine.generate(request):
+        admitted = await asyncio.to_thread(engine.admit, request)
+        assert len(compiled) == 2 and admitted.grammar is not None
+        async for output in engine.generate(admitted):
             assert output.error is None, output.error
             token_ids += output.outputs[0].new_token_ids if output.outputs else []
+        assert len(compiled) == 2  # generate() compiles nothing
         await engine.shutdown()
         return token_ids
 

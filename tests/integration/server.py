@@ -16,8 +16,8 @@ from typing import IO
 import httpx
 
 # One definition each, shared with the benchmarks (which never import tests/).
-from benchmarks.serving import free_port as free_port
-from benchmarks.serving import scrape as scrape
+from benchmarks.servers import free_port as free_port
+from benchmarks.servers import scrape as scrape
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -125,7 +125,7 @@ def test_normal_traffic_is_audited_without_corruption(client):
 def test_an_answer_reused_as_the_next_prompt_audits_without_corruption(client):
     """A second turn reads the first answer's KV from the cache. That KV was computed for
     generated tokens, which on an AMX CPU take the FMAs while the audit recomputes them as
-    prompt tokens, on the tiles (model_runner.tile_rows): other summation orders, so drift at
+    prompt tokens, on the tiles (step_inputs.tile_rows): other summation orders, so drift at
     most (within float32 rounding), never corruption."""
     before = client.wait_audits(client.audits()["kvshare_cache_audits_total"])
     diffs_before = scrape(client.base_url)

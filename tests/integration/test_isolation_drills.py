@@ -126,7 +126,7 @@ def complete(url: str, key: str, prompt: str, **fields) -> httpx.Response:
 
 def tenant_label(key: str) -> str:
     """The key's tenant label in kvshare_tenant_* series: a hash of the tenant, itself a hash
-    of the key (app/server.py ApiKeyMiddleware, app/metrics.py TenantLabels)."""
+    of the key (app/middleware.py ApiKeyMiddleware, app/metrics.py TenantLabels)."""
     tenant = hashlib.sha256(key.encode()).hexdigest()[:16]
     return hashlib.sha256(tenant.encode()).hexdigest()[:8]
 

@@ -39,7 +39,7 @@ NUM_TOKENS = 600
 BOUNDS = {"native": (0.995, 1.002), "q8_0": (0.97, 1.03)}
 
 
-# The text read as a prompt, and (where prompt tokens take the AMX tiles, model_runner.tile_rows)
+# The text read as a prompt, and (where prompt tokens take the AMX tiles, step_inputs.tile_rows)
 # as generated tokens, on the FMAs.
 READINGS = ["prompt"] + (["generated"] if cpu_capabilities().amx and amx_here() else [])
 
@@ -118,7 +118,7 @@ def test_resident_weights_stay_near_the_gguf_files_size(native_model) -> None:
 
 
 # Every token on the FMAs, and (where the CPU has AMX: the default there) the prompt tokens on
-# AMX tiles with the generated ones on the FMAs (model_runner.tile_rows).
+# AMX tiles with the generated ones on the FMAs (step_inputs.tile_rows).
 PANEL_PATHS = ["fmas"] + (["prompts-on-tiles"] if amx_here() else [])
 
 

@@ -12,7 +12,7 @@ import json
 import pytest
 from jsonschema import Draft202012Validator
 
-from app.structured_output import MAX_PARALLEL_TOOL_CALLS
+from app.openai.structured_output import MAX_PARALLEL_TOOL_CALLS
 
 pytestmark = pytest.mark.integration
 
@@ -179,7 +179,7 @@ def test_auto_grammar_completes_every_started_call(model_dir):
     but a `<tool_call>` must go on as a call whose arguments validate."""
     import xgrammar as xgr
 
-    from app.json_schema import canonical_json
+    from app.openai.json_schema import canonical_json
     from engine.core.config import EngineConfig
     from engine.core.protocol import ModelInfo
     from engine.core.sampling_params import StructuredOutput

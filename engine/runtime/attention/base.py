@@ -34,7 +34,7 @@ class AttentionMetadata:
     query_start_loc_host: list[int]
     seq_lens_host: list[int]
     # [T] int32, each token's projection path where the model's are GGUF blocks: 1 on AMX tiles
-    # (a prompt token, where the runner puts those there: model_runner.tile_rows), 0 on the
+    # (a prompt token, where the runner puts those there: step_inputs.tile_rows), 0 on the
     # FMAs; None (the runner does not use the tiles): every row on the kernels' default path.
     tile_rows: torch.Tensor | None = None
 

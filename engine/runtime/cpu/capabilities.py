@@ -12,7 +12,7 @@ Three answers differ between the x86-64 CPUs kvshare runs on:
   flags, where only the compiler's own -march=native is offered.
 - amx: whether quantization native's panel kernels multiply a request's prompt tokens on AMX
   tiles (amx_tile and amx_bf16 in the flags, Intel Xeons from Sapphire Rapids on); the tokens it
-  generates stay on the FMAs (engine/runtime/model_runner.py, tile_rows: prefill about 2x
+  generates stay on the FMAs (engine/runtime/step_inputs.py, tile_rows: prefill about 2x
   faster on the tiles, a lone decode row 1.7x slower). The kernel library also asks Linux for
   the tile state and keeps the FMA path where it is refused (amx_panels.cpp).
 

@@ -56,7 +56,7 @@ class CpuFusedOps:
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """x [T, heads, D] (rows may be a strided view), cos/sin [T, 1, D/2] -> rotated x,
-        contiguous, as llama.apply_rope."""
+        contiguous, as rope.apply_rope."""
         num_tokens, num_heads, head_dim = x.shape
         half = head_dim // 2
         if x.dtype not in DTYPE_CODES or x.device.type != "cpu" or half % _LANES:

@@ -1,5 +1,5 @@
-"""The fused CPU elementwise ops against the torch code they replace in runtime/models/llama.py,
-once per kernel build level this CPU executes (available_isa_levels())."""
+"""The fused CPU elementwise ops against the torch code they replace in runtime/models/ (llama.py,
+rope.py), once per kernel build level this CPU executes (available_isa_levels())."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from engine.runtime.cpu.capabilities import available_isa_levels
 from engine.runtime.cpu.fused import CpuFusedOps
 from engine.runtime.cpu.native import load_library
-from engine.runtime.models.llama import RMSNorm, apply_rope
+from engine.runtime.models.llama import RMSNorm
+from engine.runtime.models.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
 

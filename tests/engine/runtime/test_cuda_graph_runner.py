@@ -29,7 +29,8 @@ from engine.runtime.cuda_graph_runner import (
     graphs_disabled_reason,
     padded_size,
 )
-from engine.runtime.model_runner import ModelRunner, prepare_inputs
+from engine.runtime.model_runner import ModelRunner
+from engine.runtime.step_inputs import prepare_inputs
 from tests.oracle import random_prompt
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -18,8 +18,9 @@ from engine.runtime.cpu.capabilities import available_isa_levels
 from engine.runtime.cpu.fused import GEMV_MAX_ROWS, CpuFusedOps
 from engine.runtime.cpu.native import load_library
 from engine.runtime.loader import load_model
-from engine.runtime.model_runner import prepare_inputs
-from engine.runtime.models.llama import RMSNorm, apply_rope
+from engine.runtime.models.llama import RMSNorm
+from engine.runtime.models.rope import apply_rope
+from engine.runtime.step_inputs import prepare_inputs
 from tests.engine.runtime.test_cpu_fused import assert_matches, randn
 from tests.oracle import random_prompt
 

@@ -13,8 +13,9 @@ from engine.core.config import EngineConfig
 from engine.runtime.attention.torch_ref import TorchRefBackend
 from engine.runtime.cpu.linear import PackedLinear
 from engine.runtime.loader import load_model
-from engine.runtime.model_runner import prepare_inputs
-from engine.runtime.models.llama import LlamaSpec, rope_inv_freq
+from engine.runtime.models.llama import LlamaSpec
+from engine.runtime.models.rope import rope_inv_freq
+from engine.runtime.step_inputs import prepare_inputs
 from tests.oracle import random_prompt
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -20,8 +20,8 @@ from engine.runtime.loader import (
     resolve_max_model_len,
     resolve_model_dir,
 )
-from engine.runtime.model_runner import prepare_inputs
 from engine.runtime.models import UnsupportedArchitectureError
+from engine.runtime.step_inputs import prepare_inputs
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

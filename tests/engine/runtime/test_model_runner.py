@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from engine.core.batch import BlockCopy, SampleSpec, ScheduledSeq, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.core.sampling_params import SamplingParams
-from engine.runtime.model_runner import ModelRunner, kv_bytes_per_token, prepare_inputs
+from engine.runtime.model_runner import ModelRunner, kv_bytes_per_token
+from engine.runtime.step_inputs import prepare_inputs
 from tests import oracle
 from tests.oracle import random_prompt
 

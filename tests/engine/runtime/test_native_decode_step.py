@@ -22,7 +22,7 @@ from engine.runtime.cpu.decode_step import NativeDecodeStep
 from engine.runtime.cpu.fused import CpuFusedOps
 from engine.runtime.cpu.native import load_library
 from engine.runtime.loader import load_model
-from engine.runtime.model_runner import prepare_inputs
+from engine.runtime.step_inputs import prepare_inputs
 from tests.engine.runtime.kernel_paths import AMX_LEVELS, amx_here
 from tests.oracle import random_prompt
 

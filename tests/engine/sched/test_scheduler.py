@@ -115,7 +115,7 @@ def test_preempts_the_newest_and_recomputes_it_later() -> None:
     assert (recompute.start_pos, recompute.token_ids) == (0, [*b_prompt, 28])
     assert recompute.block_ids == [3, 0, 1]
     assert recompute.sample.output_index == 1
-    # its generated token stays a generated token's row (model_runner.tile_rows)
+    # its generated token stays a generated token's row (step_inputs.tile_rows)
     assert recompute.prompt_len == len(b_prompt) and runner.steps[1].seqs[0].prompt_len == 7
     run(scheduler, runner, {}, results)
     assert results["a"].tokens == {0: [7, 8, 9]}

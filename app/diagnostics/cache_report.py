@@ -1,6 +1,6 @@
 """A tenant's cache report: where its recent prompts diverge from each other (torch-free).
 
-Over the prompts RecentPrompts keeps for one tenant (app/cache_diagnostics.py, bounded), each
+Over the prompts RecentPrompts keeps for one tenant (app/diagnostics/cache.py, bounded), each
 prompt is compared with the NUM_COMPARED prompts before it: its divergence offset is the
 longest prefix it shares with one of them. The report gives those offsets as a histogram (by
 block) and, when most prompts diverge at the same offset and agree again a little later,
@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from app.cache_diagnostics import Segment, first_difference_index, segment_at
+from app.diagnostics.cache import Segment, first_difference_index, segment_at
 from engine.tokenizer import Tokenizer
 
 NUM_COMPARED = 8  # earlier prompts each prompt is compared with

@@ -2,7 +2,8 @@
 
 Each cap is a `server:` settings key (config/default.yaml); a request over one is refused with
 a ParamError (a 400) naming the field, before anything is tokenized or queued. The ranges that
-never change (temperature 0..2, ...) are declared on the fields in app/request_models.py instead.
+never change (temperature 0..2, ...) are declared on the fields in
+app/openai/request_models.py instead.
 The schema size cap is the engine's own key, max_schema_bytes, checked here too so that the
 400 comes before any schema work and names the field the schema came in; so is max_num_seqs,
 which bounds `n` (a prompt's choices run as one batch).
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sized
 from dataclasses import dataclass, fields
 
-from app.request_models import ChatCompletionRequest, CompletionRequest
+from app.openai.request_models import ChatCompletionRequest, CompletionRequest
 from app.settings import ServerSettings
 from engine.core.config import EngineConfig
 from engine.core.errors import ParamError

@@ -13,12 +13,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from app.request_models import ChatCompletionRequest
-from app.request_parts import ChatMessage, RequestModel, Tool
-from app.response_store import StoredResponse
-from app.responses_request import ResponseNamedToolChoice, ResponsesRequest, ResponseTextConfig
-from app.responses_serving import chain_items, chain_prefix
-from app.serving import OpenAIServing
+from app.openai.request_models import ChatCompletionRequest
+from app.openai.request_parts import ChatMessage, RequestModel, Tool
+from app.responses.request import ResponseNamedToolChoice, ResponsesRequest, ResponseTextConfig
+from app.responses.serving import chain_items, chain_prefix
+from app.responses.store import StoredResponse
+from app.serving.service import OpenAIServing
 from engine.core.errors import ParamError
 
 
@@ -91,20 +91,20 @@ def count_input_tokens(
     so call it in a worker thread. Errors name the chat fields; the route renames them."""
     chat_request = request.to_chat_request(chain_items(previous))
     chat_request.structured  # noqa: B018 (text.format and tool schemas, checked as served)
-    num_tokens = len(serving.chat_prompt(chat_request, chain_prefix(previous)).token_ids)
+    num_tokens = len(serving.preparer.chat_prompt(chat_request, chain_prefix(previous)).token_ids)
     return {"object": "response.input_tokens", "input_tokens": num_tokens}
 
 
 def tokenize(serving: OpenAIServing, body: TokenizeRequest) -> dict[str, Any]:
     """{"count", "max_model_len", "tokens"} (+ "token_strs"), as vLLM answers; blocking."""
     body.check_shape()
-    serving.check_model(body.model)
+    serving.preparer.check_model(body.model)
     tokenizer = serving.model.tokenizer
     if body.prompt is not None:  # as /v1/completions: "" stays empty, never a lone BOS
         add_special_tokens = body.add_special_tokens is not False
         token_ids = tokenizer.encode(body.prompt, add_special_tokens) if body.prompt else []
     else:
-        token_ids = serving.chat_prompt(body.chat_request(serving.model.name)).token_ids
+        token_ids = serving.preparer.chat_prompt(body.chat_request(serving.model.name)).token_ids
     out: dict[str, Any] = {
         "count": len(token_ids),
         "max_model_len": serving.model.info.max_model_len,
@@ -117,7 +117,7 @@ def tokenize(serving: OpenAIServing, body: TokenizeRequest) -> dict[str, Any]:
 
 def detokenize(serving: OpenAIServing, body: DetokenizeRequest) -> dict[str, Any]:
     """{"prompt": the text of the tokens}, special tokens kept (the inverse of tokenize)."""
-    serving.check_model(body.model)
+    serving.preparer.check_model(body.model)
     vocab_size = min(serving.model.info.vocab_size, serving.model.tokenizer.vocab_size)
     for number, token_id in enumerate(body.tokens):
         if not 0 <= token_id < vocab_size:

@@ -7,8 +7,8 @@ import secrets
 import time
 from typing import Any
 
-from app.response_models import ChatCompletionResponse, Usage
-from app.responses_request import ResponsesRequest
+from app.openai.response_models import ChatCompletionResponse, Usage
+from app.responses.request import ResponsesRequest
 
 
 def response_object(
@@ -92,7 +92,7 @@ def output_items(
 
 
 def _is_json(text: str) -> bool:
-    """Whether `text` is whole JSON: a cut call's arguments are not (app/tool_calls.py)."""
+    """Whether `text` is whole JSON: a cut call's arguments are not (app/openai/tool_calls.py)."""
     try:
         json.loads(text)
     except ValueError:

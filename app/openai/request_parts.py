@@ -1,6 +1,7 @@
 """The parts OpenAI request bodies are made of: chat messages, function tools, response
 formats and stream options, on RequestModel, the strict base every request model shares. The
-requests themselves, and their conversion to sampling params, are in app/request_models.py."""
+requests themselves, and their conversion to sampling params, are in
+app/openai/request_models.py."""
 
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ class JsonSchemaSpec(RequestModel):
 
 
 class ResponseFormatJsonSchema(RequestModel):
-    """JSON that conforms to json_schema.schema (see app/json_schema.py for the keywords)."""
+    """JSON that conforms to json_schema.schema (see app/openai/json_schema.py for the keywords)."""
 
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec

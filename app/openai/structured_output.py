@@ -2,7 +2,7 @@
 (README "Structured outputs") or a tool_choice other than "none" (README "Tools").
 
 Each schema, response_format's or a tool's parameters, goes through check_schema
-(app/json_schema.py), so only keywords the grammar really enforces get through; whatever is
+(app/openai/json_schema.py), so only keywords the grammar really enforces get through; whatever is
 refused is a ParamError that names the field it came in.
 """
 
@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from app.json_schema import WHERE as SCHEMA_WHERE
-from app.json_schema import SchemaRefused, canonical_json, check_schema
-from app.request_parts import (
+from app.openai.json_schema import WHERE as SCHEMA_WHERE
+from app.openai.json_schema import SchemaRefused, canonical_json, check_schema
+from app.openai.request_parts import (
     NamedToolChoice,
     ResponseFormat,
     ResponseFormatJsonObject,

@@ -1,6 +1,6 @@
 """The OpenAI requests kvshare serves: chat completions and completions. They refuse unknown
 fields (extra="forbid"), take no coerced value (strict), and carry to_sampling_params(); the
-parts they are made of are in app/request_parts.py."""
+parts they are made of are in app/openai/request_parts.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, SkipValidation, Strict
 
-from app.json_schema import canonical_text
-from app.request_parts import (
+from app.openai.json_schema import canonical_text
+from app.openai.request_parts import (
     ChatMessage,
     NamedToolChoice,
     RequestModel,
@@ -18,7 +18,7 @@ from app.request_parts import (
     StreamOptions,
     Tool,
 )
-from app.structured_output import (
+from app.openai.structured_output import (
     response_format_schema,
     structured_output,
     tool_structured_output,
@@ -31,7 +31,7 @@ from engine.core.seeds import MAX_SEED
 # OpenAI's ranges (and the engine's, engine/core/sampling_params.py), declared on the fields
 # so that pydantic refuses a value outside them with a 400 naming the field and the OpenAPI
 # document shows them. Caps a server may set lower (n, stop strings, ...) are settings, checked
-# in app/limits.py.
+# in app/serving/limits.py.
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]  # 0 would keep no token at all
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -127,7 +127,8 @@ class _SamplingRequest(RequestModel):
     @cached_property
     def response_schema_text(self) -> str | None:
         """response_format's json_schema.schema as canonical JSON (None without one), made once
-        per request: app/limits.py caps its size, structured_output checks it and sends it."""
+        per request: app/serving/limits.py caps its size, structured_output checks it and
+        sends it."""
         return canonical_text(response_format_schema(self.response_format), "response_format")
 
     @cached_property

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.errors import APIError
-from app.response_models import ChatCompletionResponse
-from app.response_store import ResponseStore, StoredResponse, scope_of
-from app.responses_chain import item_resources
-from app.responses_format import response_object
-from app.responses_request import ResponsesRequest
-from app.serving import OpenAIServing, Prepared, RequestRecord
+from app.openai.response_models import ChatCompletionResponse
+from app.responses.chain import item_resources
+from app.responses.format import response_object
+from app.responses.request import ResponsesRequest
+from app.responses.store import ResponseStore, StoredResponse, scope_of
+from app.serving.records import Prepared, RequestRecord
+from app.serving.service import OpenAIServing
 
 logger = logging.getLogger(__name__)
 

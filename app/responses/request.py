@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from app.request_models import ChatCompletionRequest, Seed, Temperature, TopP
-from app.request_parts import RequestModel, validated_part
+from app.openai.request_models import ChatCompletionRequest, Seed, Temperature, TopP
+from app.openai.request_parts import RequestModel, validated_part
 from engine.core.errors import ParamError
 
 # Fields kvshare cannot honour: accepted only at the value that asks for nothing.

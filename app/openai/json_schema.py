@@ -29,8 +29,8 @@ from engine.core.config import MAX_SCHEMA_BYTES_CEILING
 from engine.core.errors import ParamError
 
 # Canonical JSON text, in bytes: the most any max_schema_bytes setting may allow. The served
-# routes check the configured cap first (app/limits.py, a 400 naming max_schema_bytes); this is
-# the backstop for any caller of check_schema that does not.
+# routes check the configured cap first (app/serving/limits.py, a 400 naming
+# max_schema_bytes); this is the backstop for any caller of check_schema that does not.
 MAX_SCHEMA_BYTES = MAX_SCHEMA_BYTES_CEILING
 MAX_SCHEMA_DEPTH = 32  # nesting of JSON containers; keeps every walk of the schema shallow
 PARAM = "response_format"
@@ -110,7 +110,7 @@ def _canonical(value: Any, keep_order: bool = False) -> Any:
 def canonical_text(schema: Any, param: str) -> str | None:
     """canonical_json(schema), None for no schema; a ParamError naming `param` for one nested
     past Python's stack. A request serializes each schema once, with this: the size cap
-    (app/limits.py) measures the text, check_schema takes it, the engine compiles it."""
+    (app/serving/limits.py) measures the text, check_schema takes it, the engine compiles it."""
     if schema is None:
         return None
     try:
