@@ -4,10 +4,11 @@ change that should not move speed (a restructure) shown within noise, side by si
     git worktree add /tmp/before <rev>   # or: git archive <rev> | tar -x -C /tmp/before
     .venv/bin/python benchmarks/two_trees.py --before /tmp/before --rounds 3
 
-Each round runs both trees, in alternating order: the step profile (benchmarks/profile_step.py
---repo TREE, the engine offline) and a `kvshare serve` of each tree (config/cpu.yaml) under this
-tree's serving client (benchmarks/serving.py). Both trees run with this checkout's virtual
-environment. Prints the medians per tree and the after / before ratio of each figure.
+Each round runs both trees, in alternating order: the step profile (each tree's own
+benchmarks/profile_step.py, the engine offline) and a `kvshare serve` of each tree
+(config/cpu.yaml) under this tree's serving client (benchmarks/serving.py). Both trees run
+with this checkout's virtual environment. Prints the medians per tree and the after / before
+ratio of each figure.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from benchmarks.servers import free_port, start_server, stop_server  # noqa: E40
 
 
 def profile(tree: Path, profile_args: list[str], out: Path) -> dict[str, float]:
-    """The step profile of `tree`: each row's median step in ms, by the row's name."""
-    command = [sys.executable, "benchmarks/profile_step.py", "--repo", str(tree), "--out", str(out)]
-    subprocess.run([*command, *profile_args], cwd=REPO, check=True, capture_output=True)
+    """The step profile of `tree` by its own benchmarks/profile_step.py (a tree's modules can
+    differ from this one's): each row's median step in ms, by the row's name."""
+    command = [sys.executable, "benchmarks/profile_step.py", "--out", str(out), *profile_args]
+    subprocess.run(command, cwd=tree, check=True, capture_output=True)
     return {row["name"] + " ms": row["step_ms"] for row in json.loads(out.read_text())["rows"]}
 
 
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--profile-args",
-        default="--batches 1 8 --steps 16 --prefill-repeats 2",
+        default="--batches 1 8 --steps 16 --prefill-repeats 2 --http-batches",
         help="benchmarks/profile_step.py's arguments",
     )
     parser.add_argument(

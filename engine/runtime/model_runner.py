@@ -89,11 +89,12 @@ class ModelRunner:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self._load_model()
-        # Prompt tokens on AMX tiles where the model's projections are GGUF blocks and the CPU
-        # has the tiles (capabilities.py, amx; the kernels keep the FMAs where the OS refuses).
+        # Prompt tokens marked for the block kernels' prompt path where the projections are GGUF
+        # blocks (capabilities.py, prompt_rows; the kernels pick AMX tiles, the prefill GEMM or
+        # the FMAs per format and build: kvshare_prompt_path).
         self.tile_prompts = (
             self.device.type == "cpu"
-            and cpu_capabilities().amx
+            and cpu_capabilities().prompt_rows
             and any(isinstance(m, BlockLinear) for m in self.model.modules())
         )
         if self.device.type == "cpu":  # after loading: weights keep their own mappings

@@ -24,7 +24,6 @@ from engine.runtime.cpu.native import load_library
 from engine.runtime.loader import iter_weights, kvshare_cache_dir, load_model, resolve_model_source
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.quant_quality import TextScore, compare, score_text
-from tests.engine.runtime.kernel_paths import amx_here
 
 pytestmark = [
     pytest.mark.integration,
@@ -39,9 +38,9 @@ NUM_TOKENS = 600
 BOUNDS = {"native": (0.995, 1.002), "q8_0": (0.97, 1.03)}
 
 
-# The text read as a prompt, and (where prompt tokens take the AMX tiles, step_inputs.tile_rows)
-# as generated tokens, on the FMAs.
-READINGS = ["prompt"] + (["generated"] if cpu_capabilities().amx and amx_here() else [])
+# The text read as a prompt (on the kernels' prompt path where the runner marks prompt tokens,
+# step_inputs.tile_rows), and then also as generated tokens, on the FMAs.
+READINGS = ["prompt"] + (["generated"] if cpu_capabilities().prompt_rows else [])
 
 
 def score(mode: str, token_ids: list[int], reading: str = "prompt") -> TextScore:
@@ -117,17 +116,17 @@ def test_resident_weights_stay_near_the_gguf_files_size(native_model) -> None:
     assert sum(blocks.values()) + dense <= 1.25 * gguf_bytes
 
 
-# Every token on the FMAs, and (where the CPU has AMX: the default there) the prompt tokens on
-# AMX tiles with the generated ones on the FMAs (step_inputs.tile_rows).
-PANEL_PATHS = ["fmas"] + (["prompts-on-tiles"] if amx_here() else [])
+# Every token on the FMAs, and the prompt tokens on their path (AMX tiles, the prefill GEMM or
+# the FMAs: kvshare_prompt_path) with the generated ones on the FMAs (step_inputs.tile_rows).
+PANEL_PATHS = ["fmas", "prompts-on-their-path"]
 
 
 @pytest.mark.parametrize("path", PANEL_PATHS)
 def test_a_seeded_request_is_the_same_alone_and_in_a_crowd_of_8(prompts, path: str) -> None:
     config = EngineConfig(dtype="float32", quantization="native", num_kv_blocks=256, max_num_seqs=8)
     engine = LLMEngine(config)
-    assert engine.runner.tile_prompts == cpu_capabilities().amx
-    engine.runner.tile_prompts = path == "prompts-on-tiles"
+    assert engine.runner.tile_prompts == cpu_capabilities().prompt_rows
+    engine.runner.tile_prompts = path == "prompts-on-their-path"
     check_alone_and_in_a_crowd(engine, prompts)
 
 

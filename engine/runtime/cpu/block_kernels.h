@@ -1,7 +1,7 @@
 // What the block kernels' files share (block_linear.cpp, block_tiles.cpp, fma_panels.cpp,
-// amx_panels.cpp, greedy_head.cpp): the panel formats, the tile of one panel (the FMA path's,
-// and the greedy head's exact panels), the prefetch distance, and the functions each file offers
-// the others. Internal to the library; its C interface is kvshare_native.h.
+// amx_panels.cpp, prefill_gemm.cpp, greedy_head.cpp): the panel formats, the tile of one panel
+// (the FMA path's, and the greedy head's exact panels), the prefetch distance, and the functions
+// each file offers the others. Internal to the library; its C interface is kvshare_native.h.
 
 #pragma once
 
@@ -255,6 +255,12 @@ int panels_linear(int format, const float* x, const uint8_t* weight, float* out,
                   const Companion* companion);
 int panels_lookup(int format, const uint8_t* table, const int64_t* ids, float* out, int rows,
                   int in_features);
+
+// prefill_gemm.cpp: a prompt chunk's rows, each weight expanded to fp32 once per call, then
+// register-blocked FMAs (every format; 1 and 2 as the linears).
+int prefill_gemm(int format, const float* x, const uint8_t* weight, float* out, int rows,
+                 int in_features, int64_t out_features, int num_threads,
+                 const Companion* companion);
 
 // Each row's sum over each 32-weight group, in one fixed order (two halves added lane-wise, then
 // the tree of halves): sums [rows, K / 32].

@@ -122,8 +122,8 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, tile_rows: torch.Tensor | None = None) -> torch.Tensor:
         # x: [N, in_features] -> [N, out_features]; tile_rows: [N] int32, each row's path
-        # (1 AMX tiles where this process has them, 0 FMAs; AttentionMetadata.tile_rows), or
-        # None: the library's default path
+        # (1 a prompt row's: AMX tiles where this process has them, else the prefill GEMM; 0 the
+        # FMAs; AttentionMetadata.tile_rows), or None: the library's default path
         x = x.contiguous().float()
         rows = x.shape[0]
         if tile_rows is not None and (tile_rows.shape != (rows,) or tile_rows.dtype != torch.int32):

@@ -1,6 +1,6 @@
 """What this CPU can run, probed once: the one answer kvshare's CPU code paths ask.
 
-Three answers differ between the x86-64 CPUs kvshare runs on:
+Four answers differ between the x86-64 CPUs kvshare runs on:
 
 - bf16_linear: whether oneDNN can pack and run bfloat16 linears. It needs AVX-512 (BW, VL,
   DQ) or AVX-NE-CONVERT; on an AVX2-only CPU mkldnn._reorder_linear_weight refuses bf16, so
@@ -15,8 +15,13 @@ Three answers differ between the x86-64 CPUs kvshare runs on:
   generates stay on the FMAs (engine/runtime/step_inputs.py, tile_rows: prefill about 2x
   faster on the tiles, a lone decode row 1.7x slower). The kernel library also asks Linux for
   the tile state and keeps the FMA path where it is refused (amx_panels.cpp).
+- prompt_rows: whether the runner marks a request's prompt tokens (tile_rows) so that the block
+  kernels run them on their prompt path: the AMX tiles where amx says so, else the prefill GEMM
+  (prefill_gemm.cpp: each weight expanded to fp32 once per chunk, then plain FMAs). Off where a
+  switch below keeps prompt tokens on the FMAs: on a CPU with the tiles the kernels would take
+  them for a marked row, so KVSHARE_CPU_AMX=0 turns marking off there.
 
-Three environment variables choose another path than the default one, to run (or test) it on a CPU
+Four environment variables choose another path than the default one, to run (or test) it on a CPU
 that has the better one, or to step around a fast path that misbehaves:
 
 - KVSHARE_CPU_ISA=avx512|avx2|baseline builds the native kernels for that level
@@ -25,6 +30,8 @@ that has the better one, or to step around a fast path that misbehaves:
   an illegal instruction.
 - KVSHARE_CPU_BF16_LINEAR=0 never packs bfloat16 linears; they run on F.linear.
 - KVSHARE_CPU_AMX=0 keeps every row of the panel kernels on the FMAs (see amx).
+- KVSHARE_CPU_PREFILL_GEMM=0 keeps prompt tokens off the prefill GEMM, on the FMAs, where the
+  CPU has no AMX tiles (see prompt_rows).
 
 All are read when cpu_capabilities() first runs (it is cached; tests clear the cache).
 """
@@ -45,6 +52,7 @@ logger = logging.getLogger(__name__)
 ISA_ENV = "KVSHARE_CPU_ISA"
 BF16_LINEAR_ENV = "KVSHARE_CPU_BF16_LINEAR"
 AMX_ENV = "KVSHARE_CPU_AMX"
+PREFILL_GEMM_ENV = "KVSHARE_CPU_PREFILL_GEMM"
 _AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 _OFF = ("0", "false", "no", "off")
 
@@ -69,12 +77,16 @@ class CpuCapabilities:
     kernel_isa: the level the native kernels are built for: "native", or the forced level.
     amx: the panel kernels run prompt tokens on AMX tiles (a CPU that has them, unless
     KVSHARE_CPU_AMX=0 or a forced level below avx512: only the AVX-512 builds carry them).
+    prompt_rows: the runner marks prompt tokens for the kernels' prompt path (the tiles where
+    amx, else the prefill GEMM), unless KVSHARE_CPU_AMX=0 on a CPU with the tiles or
+    KVSHARE_CPU_PREFILL_GEMM=0 on one without.
     """
 
     isa: str
     bf16_linear: bool
     kernel_isa: str = "native"
     amx: bool = False
+    prompt_rows: bool = True
 
     def kernel_levels(self) -> tuple[str, ...]:
         """Every kernel build level whose code runs here: kernel_isa first, then each lower
@@ -119,12 +131,15 @@ def probe(
     bf16 = _onednn_bf16_supported() if bf16_supported is None else bf16_supported
     bf16_off = environ.get(BF16_LINEAR_ENV, "").strip().lower() in _OFF
     amx_off = environ.get(AMX_ENV, "").strip().lower() in _OFF
+    gemm_off = environ.get(PREFILL_GEMM_ENV, "").strip().lower() in _OFF
     isa = forced or detected
+    tiles = flags >= _AMX_FLAGS and isa == "avx512"  # the tile code's builds
     return CpuCapabilities(
         isa=isa,
         bf16_linear=bf16 and not bf16_off,
         kernel_isa=forced or "native",
-        amx=flags >= _AMX_FLAGS and isa == "avx512" and not amx_off,  # the tile code's builds
+        amx=tiles and not amx_off,
+        prompt_rows=not amx_off if tiles else not gemm_off,
     )
 
 

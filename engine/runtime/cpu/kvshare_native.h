@@ -35,6 +35,11 @@ constexpr int kQ6_K = 14;
 // (engine/runtime/cpu/block_linear.py, to_panels).
 constexpr int kPanelCode = 100;
 
+// A prompt row's paths (kvshare_prompt_path).
+constexpr int kPromptFmas = 0;
+constexpr int kPromptTiles = 1;
+constexpr int kPromptGemm = 2;
+
 // Floats in one of the kernels' vectors: row lengths are multiples of it, and a panel holds
 // this many output columns.
 constexpr int kLanes = 16;
@@ -119,8 +124,8 @@ int kvshare_gemv(int dtype, const void* x, const void* weight, void* out, int ro
 int kvshare_block_linear(int format, const float* x, const uint8_t* weight, float* out, int rows,
                          int in_features, int64_t out_features, int num_threads);
 
-// Each row's path given: tile_rows [rows] int32, 1 for AMX tiles (where this process has them;
-// the panel formats), 0 for the FMAs; null for the default path.
+// Each row's path given: tile_rows [rows] int32, 1 for a prompt row (the path
+// kvshare_prompt_path names), 0 for the FMAs; null for the default path.
 int kvshare_block_linear_rows(int format, const float* x, const uint8_t* weight, float* out,
                               int rows, int in_features, int64_t out_features, int num_threads,
                               const int32_t* tile_rows);
@@ -142,6 +147,21 @@ int kvshare_block_rows(int format, const uint8_t* table, const int64_t* ids, flo
 // FMAs, -1 leaves it; returns 1 when the tiles are the default (amx_panels.cpp). The two paths
 // give different bits: switch only between calls, never while a model serves.
 int kvshare_panel_amx(int enable);
+
+// The path a prompt row (tile_rows 1) of `format` takes in this build and process, fixed for
+// the process whatever the row count: kPromptTiles for a panel format where this process has
+// AMX tiles; kPromptFmas for a panel format on an AVX-512 build without them (its FMAs run
+// near the FMA peak already, and short runs would pay the GEMM's expansion); else
+// kPromptGemm (kvshare_prefill_gemm).
+int kvshare_prompt_path(int format);
+
+// ---- A prompt chunk's linears on the FMAs (prefill_gemm.cpp) ----
+
+// kvshare_block_linear's product (its formats, shapes and statuses) for many rows: each weight
+// expanded to fp32 once per call, then register-blocked FMAs over every row, one summation
+// order per output element whatever the row count (other bits than kvshare_block_linear's).
+int kvshare_prefill_gemm(int format, const float* x, const uint8_t* weight, float* out, int rows,
+                         int in_features, int64_t out_features, int num_threads);
 
 // ---- Greedy tokens under a Q8_0 panel head (greedy_head.cpp) ----
 

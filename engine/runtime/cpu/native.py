@@ -5,7 +5,8 @@ The sources: kernels.cpp, the paged decode attention of the cpu attention backen
 (engine/runtime/attention/cpu_native.py) and the Llama block's fused RMSNorm (alone or after the
 residual add), SiLU-and-mul, rope (alone or with the KV store) and few-row LM head
 (engine/runtime/cpu/fused.py); the linears on GGUF blocks (block_linear.cpp, picking among
-block_tiles.cpp, fma_panels.cpp and amx_panels.cpp; engine/runtime/cpu/block_linear.py);
+block_tiles.cpp, fma_panels.cpp, amx_panels.cpp and, for prompt rows without AMX tiles,
+prefill_gemm.cpp; engine/runtime/cpu/block_linear.py);
 greedy_head.cpp, the greedy token without the whole LM head; decode_step.cpp, a step's layer
 stack calling the others (engine/runtime/cpu/decode_step.py). kvshare_native.h declares every
 entry point and the codes they take: each source includes it, and the ctypes bindings and the

@@ -26,6 +26,7 @@ from engine.runtime.cpu.block_linear import (
     to_panels,
     to_rows,
 )
+from engine.runtime.cpu.native import INTERFACE
 from tests.engine.runtime.kernel_paths import kernel_path, kernel_paths
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++ compiler")
@@ -124,23 +125,35 @@ def test_a_rows_output_is_bit_identical_at_1_3_and_8_rows(library, fmt: str, lay
 
 @pytest.mark.parametrize(("fmt", "layout"), LAYOUTS)
 def test_each_row_takes_the_path_the_step_gives_it(library, fmt: str, layout: str) -> None:
-    """tile_rows (AttentionMetadata.tile_rows, a prompt token's 1): a row marked 1 gets the bits
-    it gets with the tiles as the library's default path, a row marked 0 the FMAs' bits, in runs
-    of either kind at either end (the same bits where this library or CPU has no tiles)."""
+    """tile_rows (AttentionMetadata.tile_rows, a prompt token's 1): a row marked 1 gets its
+    prompt path's bits (kvshare_prompt_path: the tiles' as the library's default path, the
+    FMAs', or kvshare_prefill_gemm's), a row marked 0 the FMAs' bits, in runs of either kind at
+    either end."""
     weight = random_blocks(fmt, rows_for(layout, 40), in_features_of(fmt, 5), seed=11)
-    layer = BlockLinear(laid_out(weight, layout), None, library)
+    stored = laid_out(weight, layout)
+    layer = BlockLinear(stored, None, library)
     x = randn(19, weight.in_features, seed=12)
     paths = torch.tensor([1, 0, 0, 1, 1, 1, 0, 1] + [1] * 9 + [0, 0], dtype=torch.int32)
     before = library.kvshare_panel_amx(-1)
     try:
-        by_path = []
-        for tiles in (0, 1):
-            library.kvshare_panel_amx(tiles)
-            by_path.append(layer(x))
+        library.kvshare_panel_amx(0)
+        fmas = layer(x)
+        path = library.kvshare_prompt_path(stored.code)
+        if path == INTERFACE.constants["kPromptTiles"]:
+            assert library.kvshare_panel_amx(1)
+            prompts = layer(x)
+        elif path == INTERFACE.constants["kPromptFmas"]:
+            prompts = fmas
+        else:
+            prompts = torch.empty_like(fmas)
+            assert not library.kvshare_prefill_gemm(
+                stored.code, x.data_ptr(), stored.data.data_ptr(), prompts.data_ptr(), 19,
+                weight.in_features, weight.out_features, 2,
+            )  # fmt: skip
     finally:
         library.kvshare_panel_amx(before)
     mixed = layer(x, paths)
-    assert torch.equal(mixed, torch.where(paths[:, None].bool(), by_path[1], by_path[0]))
+    assert torch.equal(mixed, torch.where(paths[:, None].bool(), prompts, fmas))
     assert_close_to_reference(mixed, x, weight.dequantize())
     with pytest.raises(ValueError, match="tile_rows"):
         layer(x, paths[:-1])

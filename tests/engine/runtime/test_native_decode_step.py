@@ -17,13 +17,13 @@ from engine.core.batch import ScheduledSeq
 from engine.core.config import EngineConfig
 from engine.runtime.attention import cpu_native
 from engine.runtime.cpu import quant
+from engine.runtime.cpu.block_linear import BlockLinear
 from engine.runtime.cpu.capabilities import available_isa_levels
 from engine.runtime.cpu.decode_step import NativeDecodeStep
 from engine.runtime.cpu.fused import CpuFusedOps
-from engine.runtime.cpu.native import load_library
+from engine.runtime.cpu.native import INTERFACE, load_library
 from engine.runtime.loader import load_model
 from engine.runtime.step_inputs import prepare_inputs
-from tests.engine.runtime.kernel_paths import AMX_LEVELS, amx_here
 from tests.oracle import random_prompt
 
 pytestmark = [
@@ -157,8 +157,9 @@ def test_prefill_and_mixed_steps_are_bit_identical_to_the_torch_model(
     """First chunks, continuation chunks and decodes in one step: every token is a decode
     query at its own position, in the native stack as in the module path's attention; over
     each KV cache dtype (kv_cache_dtype), K/V rounded alike where they are stored; with the
-    prompt tokens' projections on AMX tiles (where this build and CPU have them) and the
-    generated tokens' on the FMAs, in runs of either kind (tile_rows)."""
+    prompt tokens' projections on their path (AMX tiles where this build and CPU have them,
+    else the prefill GEMM) and the generated tokens' on the FMAs, in runs of either kind
+    (tile_rows)."""
     model = block_model(library, make_tiny_model("llama", head_dim=64))
     step = NativeDecodeStep.for_model(model, library)
     backend = cpu_native.CpuNativeBackend(library)
@@ -264,11 +265,13 @@ def test_the_kernels_share_torchs_openmp_runtime(library) -> None:
     assert len(runtimes) == 1, runtimes
 
 
-def test_prompt_rows_take_the_tiles_exactly_where_the_build_and_the_cpu_have_them(
+def test_prompt_rows_take_their_path_on_every_build(
     make_tiny_model, make_step, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """tile_rows reaches the kernels: a prompt chunk's rows change bits with it on a build and
-    CPU with AMX tiles (within the F.linear bound the other tests hold), and nowhere else."""
+    """tile_rows reaches the kernels: a prompt chunk's rows change bits with it exactly where
+    the projections' prompt path is not the FMAs (kvshare_prompt_path: AMX tiles where the
+    build and the CPU have them, the prefill GEMM, or the panels' FMAs on AVX-512 builds),
+    within the F.linear bound the other tests hold."""
     seqs = [ScheduledSeq(0, random_prompt(20, seed=3), 0, [0, 1, 2], prompt_len=20)]
     for level in available_isa_levels():
         library = load_library(tmp_path_factory.getbasetemp() / "native-kernels", level)
@@ -280,4 +283,6 @@ def test_prompt_rows_take_the_tiles_exactly_where_the_build_and_the_cpu_have_the
             for on in (False, True)
         )
         torch.testing.assert_close(tiles, fmas, atol=1e-3, rtol=1e-3)
-        assert torch.equal(tiles, fmas) != (amx_here() and level in AMX_LEVELS), level
+        codes = {m.block_weight.code for m in model.modules() if isinstance(m, BlockLinear)}
+        paths = {library.kvshare_prompt_path(code) for code in codes}
+        assert torch.equal(tiles, fmas) == (paths == {INTERFACE.constants["kPromptFmas"]}), level
