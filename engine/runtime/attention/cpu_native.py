@@ -1,10 +1,10 @@
 """The CPU backend: the torch reference with decode attention in a native kernel.
 
-Decode attention on the torch path gathers every sequence's blocks into a dense copy, then
-runs SDPA under a padding mask: on this CPU that is most of a decode step's non-matmul
-time. The paged decode kernel of engine/runtime/cpu/kernels.cpp reads K/V in place through the
-block tables instead. engine/runtime/cpu/native.py compiles that library on first use, for the
-ISA level the CPU probe (engine/runtime/cpu/capabilities.py) picks, and loads it; the same
+Decode attention on the torch path gathers every sequence's blocks into a dense copy, then runs
+SDPA under a padding mask: on this CPU that is most of a decode step's non-matmul time. The
+paged decode kernel of engine/runtime/cpu/paged_attention.cpp reads K/V in place through the
+block tables instead. engine/runtime/cpu/native.py compiles the kernel library on first use, for
+the ISA level the CPU probe (engine/runtime/cpu/capabilities.py) picks, and loads it; the same
 library carries the fused RMSNorm / SiLU-and-mul / rope that engine/runtime/cpu/fused.py wraps
 for the model. Prefill chunks run there too: each query of a chunk is a decode query at its own
 position over the sequence's block table, so a chunk reads the cached K/V in place instead of

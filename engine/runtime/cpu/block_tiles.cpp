@@ -15,7 +15,7 @@
 // so a step of any batch size reads each weight byte from memory once. Threads split output
 // columns (tiles), never the K reduction.
 //
-// Built into the same library as kernels.cpp (engine/runtime/cpu/native.py), with the same
+// Built into the same library as paged_attention.cpp (engine/runtime/cpu/native.py), with the same
 // ISA levels (vectors.h). The horizontal sum (vectors.h) is the one reduction order of every
 // output element. The same blocks reordered into panels are fma_panels.cpp's and
 // amx_panels.cpp's; block_linear.cpp picks the kernel.

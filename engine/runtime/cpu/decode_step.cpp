@@ -92,7 +92,7 @@ int attend_and_project(const Dims& d, const Layer& w, const int32_t* formats, co
 // The MLP asks for them as it computes (block_kernels.h's Companion): a decode row's context
 // otherwise comes from memory in the attention, one sequence's blocks at a time, at a fraction
 // of the bandwidth, while the MLP's arithmetic leaves the bus mostly idle. The next layer's
-// attention then finds them in cache and scores every row in tiles (kernels.cpp, Shape::warm).
+// attention then finds them in cache and scores every row in tiles (paged_attention.cpp, Shape::warm).
 // At batch 8 the layer stack took 13.6% less at 300 positions, 8% at 600, the same at 1000,
 // where the blocks no longer fit the caches (benchmarks/ab_native_step.py, AMD EPYC Zen 4).
 struct NextBlocks {

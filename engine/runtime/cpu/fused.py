@@ -4,7 +4,7 @@ matrix-vector product for a few rows, and greedy sampling's argmax.
 
 In torch each is a chain of small ops (an RMSNorm is eight, a rope seven), which at 32
 decoding sequences cost more in dispatch and passes over memory than in arithmetic. The
-native library of engine/runtime/cpu/kernels.cpp does each in one pass, rounding to the storage
+native library of engine/runtime/cpu/fused_ops.cpp does each in one pass, rounding to the storage
 dtype wherever the torch code rounds. Every method returns None for a call it does
 not cover (dtype, device, layout, sizes not multiples of 16); the caller then runs its torch
 code, so results never depend on the library being there.

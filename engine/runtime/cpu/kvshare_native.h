@@ -47,7 +47,7 @@ constexpr int kLanes = 16;
 // Shared by the sources, not bound (C++ linkage). Whether row `row` of a paged-attention call
 // (block_tables [rows, max_blocks], seq_lens [rows]) is the next position of the row before in
 // the same sequence: a prefill chunk's rows after its first, whose context the row before has
-// just read into cache (kernels.cpp; decode_step.cpp asks it too).
+// just read into cache (paged_attention.cpp; decode_step.cpp asks it too).
 bool continues_chunk(const int32_t* block_tables, const int32_t* seq_lens, int64_t row,
                      int64_t max_blocks);
 
@@ -55,7 +55,8 @@ bool continues_chunk(const int32_t* block_tables, const int32_t* seq_lens, int64
 
 extern "C" {
 
-// ---- Attention and the Llama block's fused ops (kernels.cpp) ----
+// ---- Paged decode attention (paged_attention.cpp) and the Llama block's fused ops
+// (fused_ops.cpp) ----
 // dtype: kFloat32 or kBfloat16, else status 1. Paged decode and rope-store also take the KV
 // cache's code: the activations' own, or kBfloat16 / kFloat16 under kFloat32; 1 for any other
 // pair.

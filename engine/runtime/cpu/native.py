@@ -1,16 +1,16 @@
 """The native CPU kernel library: the C++ sources of engine/runtime/cpu compiled once per machine
 into one library, loaded with ctypes.
 
-The sources: kernels.cpp, the paged decode attention of the cpu attention backend
-(engine/runtime/attention/cpu_native.py) and the Llama block's fused RMSNorm (alone or after the
-residual add), SiLU-and-mul, rope (alone or with the KV store) and few-row LM head
+The sources: paged_attention.cpp, the paged decode attention of the cpu attention backend
+(engine/runtime/attention/cpu_native.py); fused_ops.cpp, the Llama block's fused RMSNorm (alone
+or after the residual add), SiLU-and-mul, rope (alone or with the KV store) and few-row LM head
 (engine/runtime/cpu/fused.py); the linears on GGUF blocks (block_linear.cpp, picking among
 block_tiles.cpp, fma_panels.cpp, amx_panels.cpp and, for prompt rows without AMX tiles,
-prefill_gemm.cpp; engine/runtime/cpu/block_linear.py);
-greedy_head.cpp, the greedy token without the whole LM head; decode_step.cpp, a step's layer
-stack calling the others (engine/runtime/cpu/decode_step.py). kvshare_native.h declares every
-entry point and the codes they take: each source includes it, and the ctypes bindings and the
-codes here are read from it (read_header), so neither is written twice.
+prefill_gemm.cpp; engine/runtime/cpu/block_linear.py); greedy_head.cpp, the greedy token without
+the whole LM head; decode_step.cpp, a step's layer stack calling the others
+(engine/runtime/cpu/decode_step.py). kvshare_native.h declares every entry point and the codes
+they take: each source includes it, and the ctypes bindings and the codes here are read from it
+(read_header), so neither is written twice.
 
 The library is compiled on first use with the system C++ compiler (OpenMP) into a build dir
 (kernels/ in the kvshare cache dir), keyed by a hash of the sources and headers, the flags and
@@ -235,7 +235,7 @@ def _load_prebuilt(isa: str) -> ctypes.CDLL:
     if found is None:
         where = f"in {directory}" if directory else f"({PREBUILT_ENV} is empty or not set)"
         if directory and any(Path(directory).glob("prebuilt-*.so")):
-            where += " (only libraries of another kernels.cpp revision: rebuild them)"
+            where += " (only libraries of another revision of the sources: rebuild them)"
         raise NativeBuildError(
             "no C++ compiler found (install g++ or set CXX) and no prebuilt kernel library "
             f"for {' or '.join(levels) or 'this CPU'} {where}"

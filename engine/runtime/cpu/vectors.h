@@ -311,4 +311,24 @@ inline vfloat to_float(vbyte v) {
 
 inline vfloat to_float_signed(const uint8_t* p) { return widen(reinterpret_cast<const int8_t*>(p)); }
 
+// ---- Vector math ----
+
+// exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+// (relative error < 2e-7), 2^n built in the exponent bits. Below -87 the result flushes to ~0.
+inline vfloat exp_nonpositive(vfloat x) {
+  x = select(x < -87.f, splat(-87.f), x);
+  const float kRound = 12582912.f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const vfloat n = (x * 1.44269504f + kRound) - kRound;
+  const vfloat r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  vfloat p = splat(1.3888889e-3f);
+  p = p * r + 8.3333338e-3f;
+  p = p * r + 4.1666668e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vint exponent = (to_int(n) + 127) << 23;
+  return p * bitcast<vfloat>(exponent);
+}
+
 }  // namespace kvshare

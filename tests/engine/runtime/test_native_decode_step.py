@@ -110,7 +110,7 @@ def test_decode_steps_are_bit_identical_to_the_torch_model(
     library, make_tiny_model, make_step, tied, num_rows, block_size
 ) -> None:
     """From the second layer on, the native step asks for a layer's K/V during the MLP before
-    and then scores decode rows in 16-token tiles (kernels.cpp, on AVX-512 with 16-token
+    and then scores decode rows in 16-token tiles (paged_attention.cpp, on AVX-512 with 16-token
     blocks); the torch model's attention scores them token by token: the same bits."""
     model = block_model(library, make_tiny_model("llama", head_dim=64, tie_word_embeddings=tied))
     step = NativeDecodeStep.for_model(model, library)
