@@ -239,7 +239,7 @@ async def respond(
 ) -> Response:
     """Answer a generation request as SSE (stream: the `chunks()`, each an sse_event()) or
     as one JSON body (`complete()`: its bytes); only the one chosen is called. The callables
-    are how the serving layer plugs in: this module imports no app/serving.py.
+    are how the serving layer plugs in: this module imports nothing of app/serving/.
 
     Either way a client that disconnects cancels the work, which aborts it in the engine;
     a stream also ends when `stop` is set (see sse_events).

@@ -28,7 +28,7 @@ EVICTION_REASONS = ("ttl", "count", "bytes")
 
 def scope_of(tenant: str | None, cache_salt: str | None) -> str:
     """The store scope of a request: its tenant (a hash of the API key, or None without keys)
-    narrowed by its cache_salt, as the prefix cache's namespace is (app/serving.py)."""
+    narrowed by its cache_salt, as the prefix cache's namespace is (app/serving/records.py)."""
     return json.dumps([tenant, cache_salt])
 
 

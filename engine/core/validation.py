@@ -1,9 +1,10 @@
 """The one check of an EngineRequest against the model that will serve it (torch-free).
 
-Called once per request, at the edge it enters through: app/serving.py for HTTP (after it
-has resolved max_tokens), LLMEngine.add_request offline. AsyncEngine trusts its caller (see
-AsyncEngine.generate). SamplingParams checks its own fields when it is built; what needs
-the model (context window, vocabulary) is checked here.
+Called once per request, by the engine's admit() (LLMEngine.admit: for HTTP from the worker
+thread that prepares the request, after it has resolved max_tokens; offline from
+LLMEngine.add_request and generate); generate() runs only what admit() returned.
+SamplingParams checks its own fields when it is built; what needs the model (context window,
+vocabulary) is checked here.
 """
 
 from __future__ import annotations

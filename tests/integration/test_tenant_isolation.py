@@ -1,6 +1,6 @@
 """Tenant isolation under attack, on a real `kvshare serve` with the embedded SmolLM2.
 
-Tenants are API keys (each key is its own prefix-cache namespace, app/serving.py).
+Tenants are API keys (each key is its own prefix-cache namespace, app/serving/records.py).
 
 Timing: tenant B must not learn from its TTFT whether tenant A has a prompt cached (the vLLM
 CVE-2025-46570 channel). Each round, A sends a fresh prompt P (now cached for A), then, in a
