@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.core.config import KV_TIERS
 from engine.core.protocol import CACHE_MISS_REASONS, EngineStats
 
 # name (without _total), help, EngineStats field
@@ -51,6 +52,39 @@ _ENGINE_COUNTERS = (
     ("kvshare_spec_accepted_tokens",
      "Speculative decoding: draft tokens kept (the model chose the same token).",
      "num_spec_accepted_tokens"),
+    ("kvshare_cache_restore_audits",
+     "Audits of hits that loaded blocks from the second KV tier (counted in "
+     "kvshare_cache_audits_total too).", "num_restore_audits"),
+    ("kvshare_cache_restore_audit_corruptions",
+     "Restore audits that found corruption (counted in kvshare_cache_audit_mismatches_total "
+     "too); the block, what follows it and their tier entries were dropped.",
+     "num_restore_audit_corruptions"),
+    ("kvshare_kv_tier_stored_blocks",
+     "Second KV tier: blocks written to it (evicted from the prefix cache, or the pool's cached "
+     "blocks at a graceful stop).", "num_tier_stored_blocks"),
+    ("kvshare_kv_tier_loaded_blocks", "Second KV tier: blocks loaded back into the pool, verified.",
+     "num_tier_loaded_blocks"),
+    ("kvshare_kv_tier_checksum_failures",
+     "Second KV tier: entries whose bytes failed verification on load (checksum, truncation, "
+     "unreadable head); dropped, their tokens recomputed.", "num_tier_checksum_failures"),
+    ("kvshare_kv_tier_refused_entries",
+     "Second KV tier: valid entries refused on load (another fingerprint, namespace or token "
+     "path than the lookup's); dropped, their tokens recomputed.", "num_tier_refused_entries"),
+    ("kvshare_kv_tier_missing_entries",
+     "Second KV tier: indexed entries gone from the store when loaded.",
+     "num_tier_missing_entries"),
+    ("kvshare_kv_tier_dropped_entries",
+     "Second KV tier: entries dropped for room (kv_tier_max_bytes, or a namespace's cap).",
+     "num_tier_dropped_entries"),
+    ("kvshare_kv_tier_spills_lost",
+     "Second KV tier: evicted blocks never written to it (their step failed).",
+     "num_tier_spills_lost"),
+    ("kvshare_kv_tier_invalidated_entries",
+     "Second KV tier: entries dropped with a quarantined block (it, and what follows it).",
+     "num_tier_invalidated_entries"),
+    ("kvshare_kv_tier_write_errors",
+     "Second KV tier: entries the store could not write (e.g. a full disk); never served.",
+     "num_tier_write_errors"),
 )  # fmt: skip
 _ENGINE_GAUGES = (
     ("kvshare_kv_blocks_total", "KV blocks in the pool.", "num_total_blocks"),
@@ -64,7 +98,15 @@ _ENGINE_GAUGES = (
     ("kvshare_fair_share_counter_spread",
      "Fair share: largest minus least weighted service among the tenants the scheduler tracks.",
      "fair_share_counter_spread"),
+    ("kvshare_kv_tier_restored_entries",
+     "Second KV tier: entries a previous process left that this one indexed at start.",
+     "num_tier_restored_at_start"),
+    ("kvshare_kv_tier_ignored_entries",
+     "Second KV tier: entries found at start and removed (another fingerprint, unreadable).",
+     "num_tier_ignored_at_start"),
 )  # fmt: skip
+# The tiers a second KV tier can be (kv_tier); "pool" is the first, the paged KV pool.
+_SECOND_TIERS = tuple(tier for tier in KV_TIERS if tier != "off")
 _BLOCK_STATES = (
     ("free", "num_free_blocks"),
     ("private", "num_private_blocks"),
@@ -109,6 +151,7 @@ def _engine_counters(stats: EngineStats) -> Iterator[Metric]:
     for reason, num_tokens in by_reason.items():
         misses.add_metric([reason], num_tokens)
     yield misses
+    yield _tier_hits(stats)
     yield _by_kind(
         "kvshare_cache_audit_mismatches",
         "Audits whose recomputed KV differed: corruption (wrong data) or drift (numerics).",
@@ -123,6 +166,20 @@ def _engine_counters(stats: EngineStats) -> Iterator[Metric]:
             "tool_calls": stats.num_structured_tool_calls_requests,
         },
     )
+
+
+def _tier_hits(stats: EngineStats) -> CounterMetricFamily:
+    hits = CounterMetricFamily(
+        "kvshare_prefix_cache_tier_hits",
+        "Prompt tokens served from the prefix cache, by the tier they came from: pool (the KV "
+        "pool) or the second KV tier (disk, host; only when one is on). They sum to "
+        "kvshare_prefix_cache_hits_total.",
+        labels=["tier"],
+    )
+    hits.add_metric(["pool"], stats.prefix_cache_hits - stats.prefix_cache_tier_hits)
+    if stats.kv_tier:
+        hits.add_metric([stats.kv_tier], stats.prefix_cache_tier_hits)
+    return hits
 
 
 def _by_kind(name: str, doc: str, values: dict[str, int]) -> CounterMetricFamily:
@@ -152,6 +209,7 @@ def _engine_gauges(stats: EngineStats) -> Iterator[Metric]:
     requests.add_metric(["waiting"], stats.num_waiting)
     yield requests
     yield from _router_gauges(stats)
+    yield from _tier_gauges(stats)
     yield GaugeMetricFamily(
         "kvshare_spec_acceptance_ratio",
         "Speculative draft tokens kept / verified since start (0 before any draft); for a "
@@ -179,6 +237,27 @@ def _router_gauges(stats: EngineStats) -> Iterator[Metric]:
     if stats.num_total_blocks:  # before the pool exists: no sample rather than 0 blocks
         info.add_metric([str(stats.block_size), str(stats.num_total_blocks)], 1)
     yield info
+
+
+def _tier_gauges(stats: EngineStats) -> Iterator[Metric]:
+    """Every tier kind has its series, at 0 unless it is the configured tier, so a dashboard
+    or an alert selects the same series whether or not a tier is on."""
+    size = GaugeMetricFamily(
+        "kvshare_kv_tier_bytes",
+        "Bytes of the second KV tier's entries (bounded by kv_tier_max_bytes), by tier.",
+        labels=["tier"],
+    )
+    entries = GaugeMetricFamily(
+        "kvshare_kv_tier_entries",
+        "Entries (one per prefix-cache block) in the second KV tier, by tier.",
+        labels=["tier"],
+    )
+    for tier in _SECOND_TIERS:
+        is_on = tier == stats.kv_tier
+        size.add_metric([tier], stats.kv_tier_bytes if is_on else 0)
+        entries.add_metric([tier], stats.kv_tier_entries if is_on else 0)
+    yield size
+    yield entries
 
 
 def _kv_usage_ratio(stats: EngineStats) -> float:

@@ -38,6 +38,9 @@ _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0
 _DURATION_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 _DIFF_BUCKETS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0)
+# One block from the host or the page cache takes well under a millisecond; a long prompt's
+# run of blocks from disk tens of milliseconds.
+_TIER_LOAD_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 _SEGMENT_LABELS = (
     "system",
@@ -147,6 +150,12 @@ class ServerMetrics:
             "per cache audit.",
             _DIFF_BUCKETS,
         )
+        self.tier_load = histogram(
+            "kvshare_kv_tier_load_seconds",
+            "Seconds per load from the second KV tier: one admission's run of consecutive "
+            "blocks, read and verified.",
+            _TIER_LOAD_BUCKETS,
+        )
 
     def _define_tenant_metrics(self) -> None:
         tenant = ["tenant"]
@@ -248,7 +257,8 @@ class ServerMetrics:
 
     def observe_engine(self, stats: EngineStats) -> None:
         """A newly published snapshot, each exactly once, on the event loop: histogram its
-        step and audits, keep the rest for the scrape (app/engine_metrics.py)."""
+        step, audits, compiles and tier loads; keep the rest for the scrape
+        (app/engine_metrics.py)."""
         if stats.step is not None:
             self.step_duration.observe(stats.step.duration_s)
             self.batch_size.observe(stats.step.num_seqs)
@@ -258,6 +268,8 @@ class ServerMetrics:
             self.audit_max_abs_diff.observe(diff)
         for seconds in stats.grammar_compile_seconds:
             self.grammar_compile.observe(seconds)
+        for seconds in stats.tier_load_seconds:
+            self.tier_load.observe(seconds)
         with self._lock:
             self._stats = stats
 

@@ -209,6 +209,7 @@ class AsyncEngine:
             return
         self._ready.set()
         engine = self._engine
+        self._deliver([], engine.latest_stats)  # what loading found (a restored tier) shows now
         while True:
             block = not engine.has_unfinished_requests()
             if not self._apply_commands(engine, block=block):

@@ -33,6 +33,7 @@ from engine.runtime.grammar import GrammarCache
 from engine.runtime.model_runner import ModelRunner
 from engine.sched.fair_share import FairShareWeights
 from engine.sched.scheduler import Scheduler
+from engine.tier_setup import build_kv_tier, save_cached_blocks, tier_figures
 
 if TYPE_CHECKING:
     from engine.kv_event_publisher import KVEventPublisher
@@ -83,10 +84,13 @@ class LLMEngine:
         self.grammar_cache = GrammarCache(self.model_info, config)  # thread-safe
         self._kv_events: list[KVEvent] = []  # this step's, until _publish hands them over
         self.kv_event_publisher = self._build_kv_event_publisher()
+        self.kv_tier = build_kv_tier(config, self.runner)  # None: no second tier
         self.kv_cache_manager = self._build_kv_cache_manager()
         self.scheduler = self._build_scheduler()
         self.auditor = Auditor(config, self.runner, self.kv_cache_manager, self.scheduler.get_seq)
-        self.faults = FaultInjector(self.kv_cache_manager, self.runner.kv_caches)  # drills only
+        self.faults = FaultInjector(
+            self.kv_cache_manager, self.runner.kv_caches, self.kv_tier
+        )  # drills only
         self.step_samples: deque[StepSample] = deque(maxlen=_MAX_RECENT_STEPS)
         self._num_steps = 0
         self.latest_stats = self._snapshot(None)
@@ -116,6 +120,7 @@ class LLMEngine:
             enable_prefix_cache=self.config.enable_prefix_cache,
             kv_event_sink=sink,
             max_cached_blocks_per_namespace=self.config.max_cached_blocks_per_namespace,
+            tier=self.kv_tier,
         )
 
     def _build_scheduler(self) -> Scheduler:
@@ -127,7 +132,8 @@ class LLMEngine:
             eos_token_ids=self.model_info.eos_token_ids,
             weights_version=self.model_info.weights_version,
             scheduling_policy=self.config.scheduling_policy,
-            record_cache_hits=self.config.audit_sample_rate > 0,
+            record_cache_hits=self.config.audit_sample_rate > 0
+            or (self.kv_tier is not None and self.config.audit_restored_sample_rate > 0),
             proposer=self._build_proposer(),
             speculative_max_decodes=self.config.speculative_max_decodes,
             fair_share_weights=FairShareWeights(
@@ -198,7 +204,7 @@ class LLMEngine:
         started = time.perf_counter()
         sched_out = self.scheduler.schedule()
         self.auditor.start(self.scheduler.take_cache_hits())  # before execute: logits kept
-        if sched_out.is_empty:
+        if sched_out.is_empty and not sched_out.has_transfers:
             # Requests the scheduler finished without running (e.g. never fit) still report.
             self.runner.grammar_matchers.release(sched_out.finished_request_ids)
             outputs = self.scheduler.update_from_output(sched_out, ModelRunnerOutput())
@@ -210,6 +216,8 @@ class LLMEngine:
         except Exception as exc:  # an engine fault: fail what it touched, keep serving
             logger.exception("model step failed; failing %d sequences", len(sched_out.seqs))
             message = f"engine fault while running the model: {type(exc).__name__}: {exc}"
+            self.kv_cache_manager.store_spilled(sched_out.block_spills, [])  # counted as lost
+            self.kv_cache_manager.drop_unwritten(sched_out.block_loads)  # they hold no KV
             outputs = self.scheduler.fail_seqs([s.seq_id for s in sched_out.seqs], message)
             self._publish(None)
             return outputs
@@ -266,11 +274,21 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop what runs beside the engine (the KV event publisher, after sending what is
-        queued). Safe to call again."""
+        queued; the second tier, after writing the pool's cached blocks to it when it is on
+        disk with warm restart). Safe to call again."""
+        if self.kv_tier is not None:
+            if self.kv_tier.store.persistent and self.config.kv_tier_warm_restart:
+                self.save_cached_blocks()
+            self.kv_tier.close()
         self.grammar_cache.close()
         if self.kv_event_publisher is not None:
             self._flush_kv_events()
             self.kv_event_publisher.close()
+
+    def save_cached_blocks(self) -> int:
+        """Write the prefix tree's blocks the second tier lacks into it and wait for the
+        store; returns how many (engine/tier_setup.py)."""
+        return save_cached_blocks(self.kv_cache_manager, self.runner, self.kv_tier)
 
     # -- offline convenience ------------------------------------------------------------
     def generate(
@@ -335,6 +353,7 @@ class LLMEngine:
             step=step,
             audit_max_abs_diffs=tuple(self.auditor.drain_recent_max_abs_diffs()),
             **self._kv_event_counters(),
+            **tier_figures(self.kv_tier, self.kv_cache_manager, self.auditor.counters),
             **self._grammar_figures(),
         )
 

@@ -10,12 +10,14 @@ or a choice that gets another choice's token, shows up as a wrong output in a te
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.kv_tier import KVTier
 from engine.sched.scheduler import Scheduler
 
 VOCAB = 64
@@ -34,7 +36,8 @@ def next_token(prompt: Sequence[int], seed: int, output_index: int) -> int:
 class SimulatedRunner:
     """Simulated KV memory holding one token id per slot, in place of a ModelRunner.
 
-    Each step it applies the block copies, writes every scheduled token into its slot, then
+    Each step it reads the second tier's spills (a block's slots as JSON), writes its loads,
+    applies the block copies, writes every scheduled token into its slot, then
     reads each scheduled sequence's whole context back through its block table and asserts it
     equals the sequence's tokens: a sharing, copy-on-write or slot bug fails there. The sampled
     tokens come from next_token(spec prompt, seed, spec output_index).
@@ -49,6 +52,13 @@ class SimulatedRunner:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(out)
+        spilled = [json.dumps(self._block(spill.block_id)).encode() for spill in out.block_spills]
+        for load in out.block_loads:
+            content = json.loads(load.payload)
+            assert len(content) == self.block_size, f"block {load.block_id}: a short payload"
+            self.kv[load.block_id * self.block_size : (load.block_id + 1) * self.block_size] = (
+                content
+            )
         blocks = [self._block(copy.src) for copy in out.block_copies]  # gather, then scatter
         for copy, content in zip(out.block_copies, blocks, strict=True):
             self.kv[copy.dst * self.block_size : (copy.dst + 1) * self.block_size] = content
@@ -56,7 +66,8 @@ class SimulatedRunner:
         assert len(tokens) == len(out.slot_mapping)
         for slot, token in zip(out.slot_mapping, tokens, strict=True):
             self.kv[slot] = token
-        return ModelRunnerOutput({s.seq_id: self._sample(s) for s in out.seqs if s.sample})
+        sampled = {s.seq_id: self._sample(s) for s in out.seqs if s.sample}
+        return ModelRunnerOutput(sampled, spilled_kv=spilled)
 
     def _block(self, block_id: int) -> list[int | None]:
         return self.kv[block_id * self.block_size : (block_id + 1) * self.block_size]
@@ -88,13 +99,14 @@ def make_scheduler(
     eos_token_ids: tuple[int, ...] = (),
     enable_prefix_cache: bool = False,
     scheduling_policy: str = "fcfs",
+    tier: KVTier | None = None,
     **options: Any,
 ) -> tuple[Scheduler, SimulatedRunner]:
-    """A Scheduler over a KVCacheManager of `num_blocks` blocks of BLOCK_SIZE tokens, and its
-    simulated runner. `options`: other Scheduler keyword arguments (fair_share_prefill_tokens,
-    clock...)."""
+    """A Scheduler over a KVCacheManager of `num_blocks` blocks of BLOCK_SIZE tokens (with a
+    second `tier` if given), and its simulated runner. `options`: other Scheduler keyword
+    arguments (fair_share_prefill_tokens, clock...)."""
     pool = BlockPool(num_blocks=num_blocks, block_size=BLOCK_SIZE)
-    manager = KVCacheManager(pool, enable_prefix_cache=enable_prefix_cache)
+    manager = KVCacheManager(pool, enable_prefix_cache=enable_prefix_cache, tier=tier)
     scheduler = Scheduler(
         manager,
         max_num_seqs,

@@ -218,6 +218,63 @@ def tenant_panels() -> list[dict]:
     ]  # fmt: skip
 
 
+def tier_panels() -> list[dict]:
+    """The second KV tier (docs/kv-tier.md): what it serves, what it costs, that it verifies."""
+    hits = "kvshare_prefix_cache_tier_hits_total"
+    tier_hits = sum_rate(hits, 'tier=~"disk|host"')
+
+    def per_tier(gauge: str) -> str:
+        return f"sum by (tier) ({gauge}{{{SEL}}})"
+
+    def total(gauge: str) -> str:
+        return f"sum({gauge}{{{SEL}}})"
+
+    return [
+        panel("Prompt tokens served per tier",
+              [(f"sum by (tier) ({rate(hits)})", "{{tier}}")], "tps",
+              "Prompt tokens per second served from the prefix cache, by where their KV came "
+              "from: pool (the KV pool) or the second tier (disk, host).", stacked=True),
+        panel("Tier hit share",
+              [(f"{tier_hits} / {sum_rate(hits)}", "of cache hits"),
+               (f"{tier_hits} / {sum_rate('kvshare_prefix_cache_queries_total')}",
+                "of prompt tokens")], "percentunit",
+              "Prompt tokens loaded from the second tier instead of computed."),
+        panel("Tier blocks per second",
+              [(sum_rate("kvshare_kv_tier_loaded_blocks_total"), "loaded"),
+               (sum_rate("kvshare_kv_tier_stored_blocks_total"), "stored")], "ops",
+              "Blocks loaded back into the pool (verified) and blocks written to the tier."),
+        panel("Tier load latency", latency_targets("kvshare_kv_tier_load_seconds"), "s",
+              "One admission's run of consecutive blocks, read and verified."),
+        panel("Tier entries failing verification",
+              [(sum_rate("kvshare_kv_tier_checksum_failures_total"), "checksum"),
+               (sum_rate("kvshare_kv_tier_refused_entries_total"),
+                "refused (fingerprint, namespace, tokens)")], "ops",
+              "Entries dropped on load instead of served; their tokens are recomputed. Alert: "
+              "KvshareKVTierEntriesRejected.", thresholds=[(1e-9, "red")]),
+        panel("Restore audits",
+              [(sum_rate("kvshare_cache_restore_audits_total"), "audits/s"),
+               (sum_rate("kvshare_cache_restore_audit_corruptions_total"), "corruptions/s")],
+              "ops", "Shadow audits of hits that loaded from the tier "
+              "(audit_restored_sample_rate). Corruptions must stay 0.",
+              thresholds=[(1e-9, "red")]),
+        panel("Tier bytes", [(per_tier("kvshare_kv_tier_bytes"), "{{tier}}")], "bytes",
+              "Bytes of the tier's entries, bounded by kv_tier_max_bytes."),
+        panel("Tier entries", [(per_tier("kvshare_kv_tier_entries"), "{{tier}}")],
+              description="One entry per prefix-cache block the tier holds."),
+        panel("Tier entries lost",
+              [(sum_rate("kvshare_kv_tier_dropped_entries_total"), "dropped for room"),
+               (sum_rate("kvshare_kv_tier_missing_entries_total"), "missing"),
+               (sum_rate("kvshare_kv_tier_spills_lost_total"), "spills lost")], "ops",
+              "Dropped for room: kv_tier_max_bytes or a namespace's cap. Missing: indexed but "
+              "gone from the store. Spills lost: evicted blocks whose step failed."),
+        panel("Entries restored at start",
+              [(total("kvshare_kv_tier_restored_entries"), "restored"),
+               (total("kvshare_kv_tier_ignored_entries"), "removed (foreign, unreadable)")],
+              kind="stat", text_mode="value_and_name",
+              description="Warm restart: entries a previous process left, indexed at start."),
+    ]  # fmt: skip
+
+
 def layout(rows: list[tuple[str, list[dict]]], width: int = 8, height: int = 8) -> list[dict]:
     """Rows of panels, three per line; ids and gridPos assigned in reading order."""
     panels, y, next_id = [], 0, 1
@@ -254,6 +311,7 @@ def build_dashboard() -> dict:
     rows = [
         ("Prefix cache: does sharing pay, is it safe?", cache_panels()),
         ("KV memory", memory_panels()),
+        ("KV tier", tier_panels()),
         ("Latency", latency_panels()),
         ("Traffic and scheduling", traffic_panels()),
         ("Router view: what the endpoint picker compares", router_panels()),

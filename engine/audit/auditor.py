@@ -2,7 +2,9 @@
 and quarantine what is wrong.
 
 What is audited. A sampled fraction (audit_sample_rate; a hash of the request id, so no global
-random state) of first admissions that reused cached tokens (batch.CacheHit). The auditor
+random state) of first admissions that reused cached tokens (batch.CacheHit); hits that loaded
+blocks from the second tier at audit_restored_sample_rate instead (restored KV is checked more
+often: DESIGN invariant 8), counted apart too. The auditor
 takes a reference on the tree blocks the hit reused (they can be neither evicted nor reused
 until compared), asks the runner to keep the logits row the sequence gets at its last prompt
 token, and recomputes the whole prompt, in chunks, into private blocks of its own (allocated
@@ -100,6 +102,8 @@ class AuditCounters:
     num_corruptions: int = 0
     num_drifts: int = 0
     num_dropped: int = 0
+    num_restore_audits: int = 0  # of num_audits, hits that loaded blocks from the second tier
+    num_restore_corruptions: int = 0
 
 
 @dataclass(eq=False)
@@ -155,6 +159,7 @@ class Auditor:
         get_seq: Callable[[int], Sequence | None],
     ) -> None:
         self.sample_rate = config.audit_sample_rate
+        self.restored_sample_rate = config.audit_restored_sample_rate
         self.max_tokens_per_step = config.audit_max_tokens_per_step
         self.max_pending = config.audit_max_pending
         # The coarser of the model's and the KV cache's dtypes sets the bar (fp16 K/V are
@@ -181,7 +186,8 @@ class Auditor:
     def start(self, hits: list[CacheHit]) -> None:
         """Queue an audit for each sampled hit (or count it dropped when the queue is full)."""
         for hit in hits:
-            if not is_sampled(hit.request_id, self.sample_rate):
+            rate = self.restored_sample_rate if hit.num_restored_tokens else self.sample_rate
+            if not is_sampled(hit.request_id, rate):
                 continue
             audit = _Audit(self._next_audit_id, hit)
             self._next_audit_id += 1
@@ -317,11 +323,14 @@ class Auditor:
 
     def _act(self, audit: _Audit, verdict: Verdict, suspects: list[int], error: float) -> list[int]:
         self.counters.num_audits += 1
+        is_restore = audit.hit.num_restored_tokens > 0
+        self.counters.num_restore_audits += is_restore
         if verdict is Verdict.DRIFT:
             self.counters.num_drifts += 1
         if verdict is not Verdict.CORRUPTION:
             return []
         self.counters.num_corruptions += 1
+        self.counters.num_restore_corruptions += is_restore
         quarantined = self.kv.quarantine(suspects)
         logger.warning(
             "prefix-cache audit of request %s: corruption (error %.3g > tolerance %.3g) in "

@@ -7,16 +7,19 @@ of what is cached, so no production class carries drill code:
                  block's own magnitude (far beyond any audit tolerance);
   wrong_block    exchanges the K and V of two cached blocks: each one's tokens now map to
                  the other's KV, so a prefix reads KV of other tokens.
-References, ownership and the tree stay consistent: only the data is wrong.
+References, ownership and the tree stay consistent: only the data is wrong. The tier_* kinds
+damage the second KV tier's entries instead (engine/audit/tier_faults.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.audit.tier_faults import TIER_FAULT_KINDS, inject_tier_fault
 from engine.core.errors import InvalidFaultTarget, UnknownFaultKind
 from engine.core.protocol import FAULT_KINDS, FaultReport
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.kv_tier import KVTier
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, bs, Hkv, D] each
 
@@ -24,9 +27,10 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, bs
 class FaultInjector:
     """Applies drills to the KV of one engine (between steps, on the engine thread)."""
 
-    def __init__(self, kv: KVCacheManager, kv_caches: KVCaches) -> None:
+    def __init__(self, kv: KVCacheManager, kv_caches: KVCaches, tier: KVTier | None = None) -> None:
         self.kv = kv
         self.kv_caches = kv_caches
+        self.tier = tier  # the second KV tier's drills (engine/audit/tier_faults.py)
         self._num_faults = 0  # seeds the noise: drills are reproducible
 
     def inject(
@@ -36,6 +40,8 @@ class FaultInjector:
         wrong_block's other block defaults to a cached block off that path."""
         if kind not in FAULT_KINDS:
             raise UnknownFaultKind(kind, FAULT_KINDS)
+        if kind in TIER_FAULT_KINDS:
+            return inject_tier_fault(self.tier, kind)
         if not self.kv.is_prefix_caching:
             raise InvalidFaultTarget("the prefix cache is off: no cached block to damage")
         path, cached = self.kv.recent_cached_path(), set(self.kv.cached_block_ids())

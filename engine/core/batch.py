@@ -80,6 +80,26 @@ class BlockCopy:
 
 
 @dataclass
+class BlockSpill:
+    """Second KV tier: read block `block_id` out of the pool before the forward (it was just
+    evicted from the prefix tree and may be written this step); its bytes go to the tier under
+    the namespace and token path (position 0 to the block's end) it holds."""
+
+    block_id: int
+    namespace: object
+    token_ids: tuple[int, ...]
+
+
+@dataclass
+class BlockLoad:
+    """Second KV tier: write `payload` (verified, as read by a BlockSpill) into block
+    `block_id` before the copies and the forward."""
+
+    block_id: int
+    payload: bytes
+
+
+@dataclass
 class SchedulerOutput:
     """One step. Decodes (one token each) come first in `seqs`, then prefill chunks.
 
@@ -87,6 +107,8 @@ class SchedulerOutput:
     of `seqs` and their token_ids. No slot ever lies in a block that is shared or owned by
     the prefix tree: the scheduler checks this when it builds the mapping.
 
+    block_spills / block_loads: second-tier transfers (engine/kv/tier_link.py), applied first:
+    spills read, then loads written, then block_copies, then the forward.
     finished_request_ids: requests that finished (any reason) since the previous
     SchedulerOutput, so the runtime drops what it keeps per request (grammar matchers).
     num_spare_tokens: what other work (the cache audit) may compute after this step: the
@@ -96,6 +118,8 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     slot_mapping: list[int] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
+    block_spills: list[BlockSpill] = field(default_factory=list)
+    block_loads: list[BlockLoad] = field(default_factory=list)
     num_decodes: int = 0
     finished_request_ids: list[str] = field(default_factory=list)
     num_spare_tokens: int = 0
@@ -107,6 +131,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.seqs
+
+    @property
+    def has_transfers(self) -> bool:
+        """Pool work the runner must do even in a step without sequences."""
+        return bool(self.block_copies or self.block_spills or self.block_loads)
 
 
 @dataclass
@@ -120,10 +149,12 @@ class SampledToken:
 class ModelRunnerOutput:
     """seq_id -> one SampledToken per seed of its SampleSpec (in order; with a draft, one per
     verified position instead: 1 + len(draft_token_ids)); prompt_logprobs:
-    seq_id -> one SampledToken per target of its PromptLogprobsSpec (the target's logprob)."""
+    seq_id -> one SampledToken per target of its PromptLogprobsSpec (the target's logprob);
+    spilled_kv: the bytes of each BlockSpill of the step, in order."""
 
     sampled: dict[int, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)
+    spilled_kv: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -132,6 +163,8 @@ class CacheHit:
 
     cached_block_ids: the tree blocks it reused, in order (full blocks, then the source of
     its partial copy); they cover its first num_cached_tokens prompt tokens.
+    num_restored_tokens: how many of them were loaded from the second tier (audited at
+    audit_restored_sample_rate).
     """
 
     seq_id: int
@@ -139,3 +172,4 @@ class CacheHit:
     prompt_token_ids: list[int]  # read only
     cached_block_ids: list[int]
     num_cached_tokens: int
+    num_restored_tokens: int = 0

@@ -27,6 +27,7 @@ QUANTIZATIONS = ("none", "native", "q8_0", "fp16", "int8")
 # app/serving/limits.py).
 MAX_SCHEMA_BYTES_CEILING = 1024 * 1024
 # config key -> the values it may take
+KV_TIERS = ("off", "disk", "host")
 CHOICES: dict[str, tuple[object, ...]] = {
     "dtype": DTYPES,
     "kv_cache_dtype": DTYPES,
@@ -35,6 +36,7 @@ CHOICES: dict[str, tuple[object, ...]] = {
     "scheduling_policy": SCHEDULING_POLICIES,
     "block_size": BLOCK_SIZES,
     "quantization": QUANTIZATIONS,
+    "kv_tier": KV_TIERS,
 }
 
 
@@ -113,6 +115,17 @@ class EngineConfig:
     audit_tolerance_bfloat16: float = 0.25
     audit_tolerance_float16: float = 0.1
     audit_tolerance_int8: float = 0.35  # quantization int8 (fp16 keeps float32's)
+    # Restored KV (a second-tier load, after a restart too) is audited at its own rate.
+    audit_restored_sample_rate: float = 0.1
+    # The second KV tier (engine/kv/kv_tier.py, docs/kv-tier.md): prefix blocks the pool evicts
+    # move there and come back instead of being recomputed, each load verified. off | disk
+    # (files in kv_tier_dir, kept across restarts) | host (host memory; a CUDA worker's tier).
+    kv_tier: str = "off"
+    kv_tier_dir: str | None = None  # disk: None -> <cache dir>/kv-tier (one server per directory)
+    kv_tier_max_bytes: int = 4 << 30  # entries' bytes, least recently used dropped first
+    # disk: write the pool's cached blocks to the tier at a graceful stop and index the
+    # directory at start (warm restart); false starts with an empty tier.
+    kv_tier_warm_restart: bool = True
     enable_fault_injection: bool = False  # drills only: corrupt / mis-map cached blocks
     # KV cache events (engine/kv_event_publisher.py): a ZMQ PUB endpoint to bind, e.g.
     # "tcp://127.0.0.1:5557"; None or "" keeps them off (no socket, no hashing).
@@ -193,6 +206,12 @@ class EngineConfig:
                 "must be >= 1",
             ),
             (0.0 <= self.audit_sample_rate <= 1.0, "audit_sample_rate", "must be in [0, 1]"),
+            (
+                0.0 <= self.audit_restored_sample_rate <= 1.0,
+                "audit_restored_sample_rate",
+                "must be in [0, 1]",
+            ),
+            (self.kv_tier_max_bytes > 0, "kv_tier_max_bytes", "must be > 0"),
             (self.audit_max_tokens_per_step >= 1, "audit_max_tokens_per_step", "must be >= 1"),
             (self.audit_max_pending >= 1, "audit_max_pending", "must be >= 1"),
             *(

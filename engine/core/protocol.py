@@ -167,6 +167,27 @@ class EngineStats:
     num_write_violations: int = 0  # slot mappings that targeted a shared / cached block
     num_spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     num_spec_accepted_tokens: int = 0  # of those, kept (the target chose the same token)
+    # Second KV tier (kv_tier "" when off). Tokens of first admissions served from it are
+    # prefix_cache_tier_hits (counted in prefix_cache_hits too); restore audits are audits of
+    # hits that loaded from it (counted in num_audits too).
+    kv_tier: str = ""
+    kv_tier_bytes: int = 0
+    kv_tier_entries: int = 0
+    prefix_cache_tier_hits: int = 0
+    num_tier_stored_blocks: int = 0
+    num_tier_loaded_blocks: int = 0
+    num_tier_checksum_failures: int = 0
+    num_tier_refused_entries: int = 0  # another fingerprint, namespace or token path
+    num_tier_missing_entries: int = 0
+    num_tier_dropped_entries: int = 0  # for room
+    num_tier_restored_at_start: int = 0
+    num_tier_ignored_at_start: int = 0
+    num_tier_spills_lost: int = 0
+    num_tier_invalidated_entries: int = 0  # dropped with a quarantined block
+    num_tier_write_errors: int = 0  # entries the store could not write (a full disk)
+    num_restore_audits: int = 0
+    num_restore_audit_corruptions: int = 0
+    tier_load_seconds: tuple[float, ...] = ()  # loads since the previous snapshot
     num_kv_events_published: int = 0  # KV cache events sent (kv_events_endpoint set)
     num_kv_events_dropped: int = 0  # KV cache events dropped: the publisher's queue was full
     # What the step that published this snapshot did: each snapshot is delivered once, so a
@@ -187,7 +208,15 @@ class EngineStats:
     grammar_mask_seconds: float = 0.0
 
 
-FAULT_KINDS = ("corrupt_block", "wrong_block")  # the drills of engine/audit/faults.py
+# The drills of engine/audit/faults.py (the pool) and engine/audit/tier_faults.py (the tier).
+FAULT_KINDS = (
+    "corrupt_block",
+    "wrong_block",
+    "tier_bit_flip",
+    "tier_truncate",
+    "tier_foreign_namespace",
+    "tier_foreign_model",
+)
 
 
 @dataclass(frozen=True)

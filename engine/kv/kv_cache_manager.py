@@ -21,16 +21,19 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from engine.core.batch import BlockCopy
+from engine.core.batch import BlockCopy, BlockLoad, BlockSpill
 from engine.core.errors import KVEventsDisabled
 from engine.core.intmath import cdiv
 from engine.core.sequence import Sequence
+from engine.kv import kv_integrity
 from engine.kv.block_pool import BlockPool, BlockUsage
 from engine.kv.cache_diagnosis import DEFAULT_NUM_TOMBSTONES, MissReason, PrefixTombstones
 from engine.kv.kv_events import KVEventSink
+from engine.kv.kv_tier import KVTier
 from engine.kv.prefix_sharing import PrefixSharing
 from engine.kv.radix_cache import RadixCache
 from engine.kv.radix_node import Namespace, RadixNode
+from engine.kv.tier_link import TierLink
 
 
 class WriteViolation(RuntimeError):
@@ -56,7 +59,9 @@ class KVCacheManager(PrefixSharing):
     shares KV within a namespace, and allocation evicts unlocked cached blocks (LRU) before it
     fails. kv_event_sink receives the cache's KV events (engine/kv/kv_events.py);
     max_cached_blocks_per_namespace evicts an over-cap namespace's blocks first
-    (engine/kv/namespace_quota.py; None: plain LRU).
+    (engine/kv/namespace_quota.py; None: plain LRU). With a `tier` (and the cache on), evicted
+    blocks go to that second tier and admissions load from it (engine/kv/tier_link.py):
+    take_block_spills() / take_block_loads() drain the step's transfers like the copies.
 
     `pool` and `prefix_cache` are exposed for tests and checks; the scheduler, admission and
     the auditor use the methods only. Every figure is O(1) or O(live sequences): only
@@ -70,6 +75,7 @@ class KVCacheManager(PrefixSharing):
         kv_event_sink: KVEventSink | None = None,
         max_cached_blocks_per_namespace: int | None = None,
         num_tombstones: int = DEFAULT_NUM_TOMBSTONES,
+        tier: KVTier | None = None,
     ) -> None:
         self.pool = block_pool
         self.block_size = block_pool.block_size
@@ -88,6 +94,11 @@ class KVCacheManager(PrefixSharing):
         self._held: dict[str, list[int]] = {}  # holder -> blocks it references (auditor)
         self._quarantined: set[int] = set()  # found wrong, still referenced by someone
         self.num_quarantined_blocks = 0  # blocks ever quarantined
+        self.tier_link: TierLink | None = None
+        if tier is not None and self.prefix_cache is not None:
+            self.tier_link = TierLink(tier)
+            self.prefix_cache.evict_listener = self.tier_link.on_evict
+            tier.set_pool_counter(self.num_cached_blocks_in)
 
     # -- capacity ---------------------------------------------------------------------------
     @property
@@ -214,6 +225,8 @@ class KVCacheManager(PrefixSharing):
         self._unlock(seq)
         self._num_offered_blocks.pop(seq.seq_id, None)
         self._admitted_cache_blocks.pop(seq.seq_id, None)
+        if self.tier_link is not None:
+            self.tier_link.forget(seq.seq_id)
 
     def take_block_copies(self) -> list[BlockCopy]:
         """Copies recorded since the last call, in order.
@@ -223,6 +236,39 @@ class KVCacheManager(PrefixSharing):
         """
         copies, self._pending_copies = self._pending_copies, []
         return copies
+
+    def take_block_spills(self) -> list[BlockSpill]:
+        """Blocks evicted since the last call that the second tier wants ([] without one)."""
+        return self.tier_link.take_spills() if self.tier_link is not None else []
+
+    def take_block_loads(self) -> list[BlockLoad]:
+        """Second-tier blocks admitted since the last call, to write before the copies."""
+        return self.tier_link.take_loads() if self.tier_link is not None else []
+
+    def store_spilled(self, spills: list[BlockSpill], payloads: list[bytes]) -> None:
+        """The runner's bytes for a step's spills go to the tier."""
+        if self.tier_link is not None and spills:
+            self.tier_link.store_spilled(spills, payloads)
+
+    def drop_unwritten(self, loads: list[BlockLoad]) -> None:
+        """A step failed before its tier loads were surely written: those blocks, and what is
+        cached after them, leave the tree; holders keep them but never insert them again."""
+        for load in loads:
+            if self.prefix_cache is None:
+                return
+            for block_id in [load.block_id, *self.prefix_cache.invalidate(load.block_id)]:
+                if self.pool.refcount(block_id) > 0:
+                    self._quarantined.add(block_id)
+
+    def unsaved_cached_blocks(self) -> list[BlockSpill]:
+        """Cached blocks the second tier lacks, least recently used first ([] without one)."""
+        if self.tier_link is None or self.prefix_cache is None:
+            return []
+        return self.tier_link.unsaved_cached_blocks(self.prefix_cache)
+
+    def take_restored_tokens(self, seq: Sequence) -> int:
+        """Tokens of seq's last admission that came from the second tier (then forgotten)."""
+        return self.tier_link.take_restored_tokens(seq.seq_id) if self.tier_link else 0
 
     def evict(self, num_blocks: int) -> list[int]:
         """Free up to num_blocks cached blocks no sequence holds or locks (LRU leaves first)."""
@@ -248,7 +294,13 @@ class KVCacheManager(PrefixSharing):
         num_blocks = self.num_blocks_for(num_tokens)
         if self._num_available_blocks(num_blocks + num_spare_blocks) < 0:
             return None
-        self._make_room(num_blocks)
+        if self.tier_link is not None:  # written before any runner step could read a spill
+            self.tier_link.is_spilling = False
+        try:
+            self._make_room(num_blocks)
+        finally:
+            if self.tier_link is not None:
+                self.tier_link.is_spilling = True
         block_ids = [self.pool.allocate() for _ in range(num_blocks)]
         for index, block_id in enumerate(block_ids):
             num_filled = min(self.block_size, num_tokens - index * self.block_size)
@@ -287,6 +339,8 @@ class KVCacheManager(PrefixSharing):
             namespace = cache.namespace_of_block(block_id)
             prefix = cache.block_prefix_token_ids(block_id)
             self.tombstones.record(namespace, prefix, MissReason.QUARANTINED)
+            if self.tier_link is not None:  # nor may it, or what follows it, come back
+                self.tier_link.tier.invalidate(namespace, prefix)
 
     def is_quarantined(self, block_id: int) -> bool:
         return block_id in self._quarantined
@@ -294,26 +348,9 @@ class KVCacheManager(PrefixSharing):
     # -- checks -----------------------------------------------------------------------------
     def check_integrity(self, live_seqs: Iterable[Sequence]) -> None:
         """Refcount of every block == live block-table references + tree reference; the
-        tree agrees with the pool; locks and insert records belong to live sequences."""
-        live_seqs = list(live_seqs)
-        self.pool.check_integrity()
-        if self.prefix_cache is not None:
-            self.prefix_cache.check_integrity()
-        live_ids = {seq.seq_id for seq in live_seqs}
-        assert set(self._locked_nodes) <= live_ids, "a finished sequence still holds a lock"
-        assert set(self._num_offered_blocks) <= live_ids, "insert record of a finished seq"
-        for block_id in self._quarantined:
-            assert self.pool.refcount(block_id) > 0, f"quarantined block {block_id} is free"
-            assert not self.pool.is_tree_owned(block_id), f"quarantined block {block_id} cached"
-        assert all(node.num_own_locks > 0 for node in self._locked_nodes.values())
-        held = self._references(live_seqs)
-        for block_id in range(self.pool.num_blocks):
-            expected = held[block_id] + int(self.pool.is_tree_owned(block_id))
-            actual = self.pool.refcount(block_id)
-            assert actual == expected, (
-                f"block {block_id}: refcount {actual} but {held[block_id]} sequence "
-                f"reference(s) and tree-owned {self.pool.is_tree_owned(block_id)}"
-            )
+        tree agrees with the pool; locks and insert records belong to live sequences
+        (engine/kv/kv_integrity.py)."""
+        kv_integrity.check_integrity(self, list(live_seqs))
 
     def num_leaked_blocks(self, live_seqs: Iterable[Sequence]) -> int:
         """sum(refcounts) - references held by live sequences, other holders and the tree
@@ -379,14 +416,3 @@ class KVCacheManager(PrefixSharing):
         for index in range(first_index, self.num_blocks_for(num_tokens)):
             filled = min(self.block_size, num_tokens - index * self.block_size)
             self.pool.set_num_tokens(seq.block_ids[index], filled)
-
-    def _references(self, live_seqs: Iterable[Sequence]) -> Counter[int]:
-        held: Counter[int] = Counter()
-        for block_ids in self._held.values():
-            held.update(block_ids)
-        for seq in live_seqs:
-            assert len(set(seq.block_ids)) == len(seq.block_ids), (
-                f"seq {seq.seq_id} lists a block twice: {seq.block_ids}"
-            )
-            held.update(seq.block_ids)
-        return held

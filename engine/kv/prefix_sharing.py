@@ -24,6 +24,7 @@ from engine.kv.cache_diagnosis import (
 )
 from engine.kv.radix_cache import RadixCache
 from engine.kv.radix_node import MatchResult, RadixNode
+from engine.kv.tier_link import TierLink
 
 
 class PrefixSharing(ABC):
@@ -43,6 +44,7 @@ class PrefixSharing(ABC):
     _locked_nodes: dict[int, RadixNode]  # seq_id -> node locked at admission
     _num_offered_blocks: dict[int, int]  # seq_id -> leading blocks in the tree
     _admitted_cache_blocks: dict[int, list[int]]  # seq_id -> tree blocks reused
+    tier_link: TierLink | None  # the second tier, when there is one
 
     def cached_prefix_len(self, seq: Sequence) -> int:
         """How many of seq's tokens admit() would reuse right now (0 without the cache).
@@ -56,17 +58,20 @@ class PrefixSharing(ABC):
         pool cannot hold it even after evicting.
 
         Up to seq.num_reusable_tokens known tokens are matched (at least one is left to compute
-        and yield logits). Full cached blocks are shared; a match ending inside a block gets a
-        private copy of it (a BlockCopy), and its tree node stays locked until insert_prefix()
-        or free(). When the pool cannot also keep the copy's source, only full blocks are
-        reused. num_computed_tokens becomes the reused count; then min(uncomputed,
-        token_budget) slots are allocated.
+        and yield logits). Full cached blocks are shared; with a second tier, its blocks that
+        continue the match are loaded into fresh blocks and cached (_restore_from_tier). A
+        match ending inside a block gets a private copy of it (a BlockCopy), and its tree node
+        stays locked until insert_prefix() or free(). When the pool cannot also keep the copy's
+        source, only full blocks are reused. num_computed_tokens becomes the reused count; then
+        min(uncomputed, token_budget) slots are allocated.
         """
         assert not seq.block_ids and seq.num_computed_tokens == 0 and token_budget >= 1
         match = self._match(seq)
         if match is not None and match.last_node is not None:
             self._share_full_blocks(seq, match)
         use_partial = match is not None and match.partial_block_id is not None
+        if match is not None and self._restore_from_tier(seq, token_budget):
+            use_partial = False  # the tier's whole blocks go further than the partial block
         if use_partial and not self._make_room_to_admit(
             seq, match.num_partial_tokens, token_budget
         ):
@@ -131,6 +136,40 @@ class PrefixSharing(ABC):
             reason = MissReason.VOLATILE_PREFIX
         self.miss_tokens_by_reason[reason] += num_prompt - num_matched
         return make_diagnosis(num_prompt, num_matched, self.block_size, reason)
+
+    def _restore_from_tier(self, seq: Sequence, token_budget: int) -> bool:
+        """Load the second tier's blocks that continue seq's shared blocks (verified; a failed
+        entry ends the run) into fresh blocks, insert them in the tree and share them; False
+        (nothing changed) when the tier holds none or the pool has no room for them and the
+        first chunk."""
+        link = self.tier_link
+        if link is None:
+            return False
+        bs = self.block_size
+        first = len(seq.block_ids)
+        token_ids = seq.token_ids()
+        max_blocks = seq.num_reusable_tokens // bs - first
+        num_blocks = link.num_restorable_blocks(seq.cache_namespace, token_ids, first, max_blocks)
+        if num_blocks <= 0 or not self._make_room_to_admit(seq, num_blocks * bs, token_budget):
+            return False
+        payloads = link.load(seq.cache_namespace, token_ids, first, num_blocks)
+        if not payloads:
+            return False
+        for payload in payloads:
+            block_id = self.pool.allocate()
+            self.pool.set_num_tokens(block_id, bs)
+            link.add_load(block_id, payload)
+            seq.block_ids.append(block_id)
+        num_blocks = len(seq.block_ids)
+        cached = token_ids[: num_blocks * bs]
+        assert self.prefix_cache is not None
+        if self.prefix_cache.insert(seq.cache_namespace, cached, seq.block_ids) < len(payloads):
+            self._adopt_tree_blocks(seq, cached, first)
+        seq.num_computed_tokens = num_blocks * bs
+        self._num_offered_blocks[seq.seq_id] = num_blocks
+        self._admitted_cache_blocks[seq.seq_id] = list(seq.block_ids)
+        link.record_restored(seq.seq_id, len(payloads) * bs)
+        return True
 
     # -- helpers ----------------------------------------------------------------------------
     def _match(self, seq: Sequence) -> MatchResult | None:

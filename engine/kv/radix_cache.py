@@ -25,7 +25,7 @@ reset. Without a sink nothing is hashed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.kv import radix_integrity, radix_walks
 from engine.kv.block_pool import BlockPool
@@ -70,6 +70,9 @@ class RadixCache:
         self._clock = 0  # monotonic access counter: LRU order is deterministic
         self.num_evictions = 0  # blocks freed by evict()
         self.num_invalidated_blocks = 0  # blocks dropped by invalidate()
+        # evict_listener(namespace, token path to the block's end, block_id): each block evict()
+        # frees, before it is freed (the second tier spills it: engine/kv/tier_link.py).
+        self.evict_listener: Callable[[Namespace, list[int], int], None] | None = None
         self._quota = NamespaceQuota(max_cached_blocks_per_namespace)
         self._eviction = EvictionQueue(pool, self._quota)
         pool.set_cached_listener(self._on_cached_change)
@@ -242,6 +245,9 @@ class RadixCache:
                 break
             block_id = node.block_ids[-1]
             self._record_tombstone(block_id, MissReason.EVICTED)
+            if self.evict_listener is not None:
+                prefix = self.block_prefix_token_ids(block_id)
+                self.evict_listener(node.namespace, prefix, block_id)
             next_candidate = self._detach(node) if len(node.block_ids) == 1 else node
             self._release_block(block_id)
             node.block_ids.pop()
@@ -360,6 +366,11 @@ class RadixCache:
     def recent_path_block_ids(self) -> list[int]:
         """Blocks from a root down to the most recently used leaf ([] for an empty tree)."""
         return radix_walks.recent_path_block_ids(self._roots.values())
+
+    def cached_paths(self) -> list[tuple[Namespace, list[int], int]]:
+        """(namespace, token path to the block's end, block id) of every tree block, least
+        recently used first (a walk: for a graceful stop, not per step)."""
+        return radix_walks.cached_paths(self._roots.values(), self.block_size)
 
     def tree_block_ids(self) -> list[int]:
         """Every block the tree holds a reference to, sorted."""

@@ -1,5 +1,6 @@
 """Read-only walks over radix trees of RadixNode (torch-free): the longest cached prefix of a
-sequence's tokens, the most recently used path, the KV event hash of every block.
+sequence's tokens, the most recently used path, the KV event hash of every block, every block's
+token path (a graceful stop's save to the second tier).
 
 Pure functions of the nodes: no access time, lock or reference changes here; RadixCache
 (engine/kv/radix_cache.py) calls them and keeps its own state.
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from engine.kv.kv_events import chain_block_hashes, namespace_seed
-from engine.kv.radix_node import Namespace, RadixNode, preorder
+from engine.kv.radix_node import Namespace, RadixNode, path_token_ids, preorder
 
 # (full block ids, partial block id, tokens matched in it, deepest node matched)
 Prefix = tuple[list[int], int | None, int, RadixNode | None]
@@ -90,3 +91,20 @@ def block_hashes(roots: Mapping[Namespace, RadixNode], block_size: int) -> dict[
             hashes.update(zip(node.block_ids, chain, strict=True))
             stack.extend((child, chain[-1]) for child in node.children.values())
     return hashes
+
+
+def cached_paths(
+    roots: Iterable[RadixNode], block_size: int
+) -> list[tuple[Namespace, list[int], int]]:
+    """(namespace, token path to the block's end, block id) of every block under the roots,
+    least recently used first."""
+    found = []
+    for root in roots:
+        for node in preorder(root):
+            for index, block_id in enumerate(node.block_ids):
+                found.append((node.last_access, node.node_id, index, node, block_id))
+    found.sort(key=lambda item: item[:3])
+    return [
+        (node.namespace, path_token_ids(node, (index + 1) * block_size), block_id)
+        for _, _, index, node, block_id in found
+    ]

@@ -20,6 +20,7 @@ from engine.core.intmath import cdiv
 from engine.core.protocol import ModelInfo
 from engine.core.sampling_params import SamplingParams
 from engine.runtime.attention.select import get_attention_backend
+from engine.runtime.block_io import read_blocks, write_blocks
 from engine.runtime.cpu.allocator import keep_temporaries_on_heap, zeros_on_huge_pages
 from engine.runtime.cpu.block_linear import BlockLinear
 from engine.runtime.cpu.capabilities import cpu_capabilities
@@ -127,11 +128,19 @@ class ModelRunner:
         self.graph_runner = self._capture_cuda_graphs()  # needs the final pool: graphs keep it
 
     def execute(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
-        """Apply copy-on-write copies, run the forward over the batch, sample its last tokens;
-        score the prompt positions of the chunks that ask (engine/runtime/prompt_logprobs.py)."""
+        """Read the second tier's spills, write its loads, apply copy-on-write copies (in that
+        order: engine/core/batch.py), then run the forward over the batch and sample its last
+        tokens; score the prompt positions of the chunks that ask (prompt_logprobs.py)."""
         self.grammar_matchers.release(sched_out.finished_request_ids)
+        spilled = read_blocks(self.kv_caches, [spill.block_id for spill in sched_out.block_spills])
+        write_blocks(self.kv_caches, sched_out.block_loads)
         if sched_out.block_copies:
             self._copy_blocks(sched_out.block_copies)
+        output = self._run(sched_out)
+        output.spilled_kv = spilled
+        return output
+
+    def _run(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         if sched_out.is_empty:
             return ModelRunnerOutput()
         self._check_seqs(sched_out.seqs)

@@ -257,6 +257,8 @@ class Scheduler(StepAdmission):
         self._fail_write_violations(step)  # after every allocation: freed blocks stay unused
         self.counters.num_prefill_tokens += step.num_prefill_tokens
         step.output.block_copies = self.kv_cache_manager.take_block_copies()
+        step.output.block_spills = self.kv_cache_manager.take_block_spills()
+        step.output.block_loads = self.kv_cache_manager.take_block_loads()
         step.output.finished_request_ids = self.take_finished_request_ids()
         if num_spare_tokens is None:
             num_spare_tokens = step.num_spare_tokens()
@@ -272,6 +274,7 @@ class Scheduler(StepAdmission):
         Returns one delta per request that changed, plus requests finished outside a step.
         Sequences finished since schedule() (aborted, failed) are skipped.
         """
+        self.kv_cache_manager.store_spilled(scheduler_output.block_spills, runner_output.spilled_kv)
         outputs = self.output_processor.process(scheduler_output, runner_output)
         self._observe_tenants()  # the requests that ended in this step end now
         return outputs

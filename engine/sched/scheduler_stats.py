@@ -23,6 +23,7 @@ class SchedulerCounters:
     num_generation_tokens: int = 0  # sampled tokens, every choice counted
     prefix_cache_queries: int = 0  # prompt tokens looked up at first admission (cache on)
     prefix_cache_hits: int = 0  # of those, tokens reused from the cache
+    prefix_cache_tier_hits: int = 0  # of those, tokens loaded from the second tier
     num_write_violations: int = 0  # slot mappings into shared / cached blocks (requests failed)
     num_spec_draft_tokens: int = 0  # speculative draft tokens verified
     num_spec_accepted_tokens: int = 0  # of those, kept (equal to the target's own choice)
@@ -58,6 +59,7 @@ def engine_stats(
         num_evictions=kv.num_evictions,
         prefix_cache_queries=counters.prefix_cache_queries,
         prefix_cache_hits=counters.prefix_cache_hits,
+        prefix_cache_tier_hits=counters.prefix_cache_tier_hits,
         prefix_cache_miss_tokens=tuple(sorted(kv.miss_tokens_by_reason.items())),
         num_quarantined_blocks=kv.num_quarantined_blocks,
         num_write_violations=counters.num_write_violations,

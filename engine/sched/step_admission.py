@@ -122,9 +122,11 @@ class StepAdmission(ABC):
         seq.was_admitted = True
         seq.num_cached_tokens = seq.num_computed_tokens
         seq.cache_diagnosis = self.kv_cache_manager.diagnose(seq)
+        num_restored = self.kv_cache_manager.take_restored_tokens(seq)
         if self.kv_cache_manager.is_prefix_caching:
             self.counters.prefix_cache_queries += seq.num_prompt_tokens
             self.counters.prefix_cache_hits += seq.num_cached_tokens
+            self.counters.prefix_cache_tier_hits += num_restored
         if self.record_cache_hits and seq.num_cached_tokens > 0:
             hit = CacheHit(
                 seq.seq_id,
@@ -132,6 +134,7 @@ class StepAdmission(ABC):
                 seq.prompt_token_ids,
                 cached_block_ids,
                 seq.num_cached_tokens,
+                num_restored,
             )
             self._cache_hits.append(hit)
 

@@ -237,7 +237,11 @@ class FakeEngine:
     def publish_steps(self, *samples: StepSample) -> None:
         """One snapshot per step, as AsyncEngine delivers them (figures kept)."""
         for sample in samples:
-            per_step = {"audit_max_abs_diffs": (), "grammar_compile_seconds": ()}
+            per_step = {
+                "audit_max_abs_diffs": (),
+                "grammar_compile_seconds": (),
+                "tier_load_seconds": (),
+            }
             self.publish(
                 replace(self.engine_stats, step=sample, grammar_mask_seconds=0.0, **per_step)
             )

@@ -7,6 +7,7 @@ import re
 import pytest
 from fake_engine import FakeEngine
 from helpers import chat_body
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.metrics import ServerMetrics
 from engine.core.protocol import EngineStats, StepSample
@@ -51,6 +52,23 @@ REQUIRED = [
     ("kvshare_prefix_cache_miss_tokens_total", "counter"),
     ("kvshare_prefix_cache_divergence_total", "counter"),
     ("kvshare_chat_template_append_only", "gauge"),
+    ("kvshare_prefix_cache_tier_hits_total", "counter"),
+    ("kvshare_kv_tier_stored_blocks_total", "counter"),
+    ("kvshare_kv_tier_loaded_blocks_total", "counter"),
+    ("kvshare_kv_tier_load_seconds", "histogram"),
+    ("kvshare_kv_tier_checksum_failures_total", "counter"),
+    ("kvshare_kv_tier_refused_entries_total", "counter"),
+    ("kvshare_kv_tier_missing_entries_total", "counter"),
+    ("kvshare_kv_tier_dropped_entries_total", "counter"),
+    ("kvshare_kv_tier_spills_lost_total", "counter"),
+    ("kvshare_kv_tier_invalidated_entries_total", "counter"),
+    ("kvshare_kv_tier_write_errors_total", "counter"),
+    ("kvshare_cache_restore_audits_total", "counter"),
+    ("kvshare_cache_restore_audit_corruptions_total", "counter"),
+    ("kvshare_kv_tier_bytes", "gauge"),
+    ("kvshare_kv_tier_entries", "gauge"),
+    ("kvshare_kv_tier_restored_entries", "gauge"),
+    ("kvshare_kv_tier_ignored_entries", "gauge"),
 ]
 
 
@@ -232,3 +250,80 @@ async def test_tenants_read_no_tenant_series_and_no_other_namespace_reason(engin
         full = (await client.get("/metrics", headers={"x-api-key": "op"})).text
     assert "kvshare_tenant_prompt_tokens_total" in full
     assert 'kvshare_prefix_cache_miss_tokens_total{reason="other_namespace"} 35.0' in full
+
+
+def parsed(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """The exposition as prometheus_client parses it: sample name -> {sorted labels: value}."""
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return samples
+
+
+TIER_FIGURES = {  # unlabelled series -> EngineStats field
+    "kvshare_kv_tier_stored_blocks_total": "num_tier_stored_blocks",
+    "kvshare_kv_tier_loaded_blocks_total": "num_tier_loaded_blocks",
+    "kvshare_kv_tier_checksum_failures_total": "num_tier_checksum_failures",
+    "kvshare_kv_tier_refused_entries_total": "num_tier_refused_entries",
+    "kvshare_kv_tier_missing_entries_total": "num_tier_missing_entries",
+    "kvshare_kv_tier_dropped_entries_total": "num_tier_dropped_entries",
+    "kvshare_kv_tier_spills_lost_total": "num_tier_spills_lost",
+    "kvshare_kv_tier_invalidated_entries_total": "num_tier_invalidated_entries",
+    "kvshare_kv_tier_write_errors_total": "num_tier_write_errors",
+    "kvshare_cache_restore_audits_total": "num_restore_audits",
+    "kvshare_cache_restore_audit_corruptions_total": "num_restore_audit_corruptions",
+    "kvshare_kv_tier_restored_entries": "num_tier_restored_at_start",
+    "kvshare_kv_tier_ignored_entries": "num_tier_ignored_at_start",
+}
+
+
+def tier_stats(**fields) -> EngineStats:
+    """A disk tier's snapshot: each counter a distinct number, so a swapped field shows."""
+    counters = {field: 3 + i for i, field in enumerate(TIER_FIGURES.values())}
+    tier = {"kv_tier": "disk", "kv_tier_bytes": 6_000_000, "kv_tier_entries": 40}
+    hits = {"prefix_cache_queries": 500, "prefix_cache_hits": 320, "prefix_cache_tier_hits": 192}
+    return EngineStats(num_audits=9, **hits | tier | counters | fields)
+
+
+async def test_tier_figures_reach_the_scrape_per_tier(client, engine: FakeEngine) -> None:
+    engine.publish(tier_stats(tier_load_seconds=(0.0003, 0.02)))
+    engine.publish(tier_stats(tier_load_seconds=(0.004,)))
+    engine.publish_steps(StepSample(0.02, 1, 1))  # the same figures again, no new loads
+    samples = parsed((await client.get("/metrics")).text)
+    hits = samples["kvshare_prefix_cache_tier_hits_total"]
+    assert hits == {(("tier", "pool"),): 128, (("tier", "disk"),): 192}
+    assert sum(hits.values()) == samples["kvshare_prefix_cache_hits_total"][()]
+    assert samples["kvshare_kv_tier_bytes"] == {(("tier", "disk"),): 6e6, (("tier", "host"),): 0}
+    assert samples["kvshare_kv_tier_entries"] == {(("tier", "disk"),): 40, (("tier", "host"),): 0}
+    stats = engine.stats()
+    for name, field in TIER_FIGURES.items():
+        assert samples[name] == {(): getattr(stats, field)}, name
+    assert samples["kvshare_kv_tier_load_seconds_count"] == {(): 3}
+    assert samples["kvshare_kv_tier_load_seconds_sum"][()] == pytest.approx(0.0243)
+    buckets = {
+        dict(labels)["le"]: n
+        for labels, n in samples["kvshare_kv_tier_load_seconds_bucket"].items()
+    }
+    assert (buckets["0.00025"], buckets["0.005"], buckets["0.025"]) == (0, 2, 3)
+
+
+async def test_without_a_tier_its_series_stay_at_zero(client, engine: FakeEngine) -> None:
+    """Tier off: tokens come only from the pool; every other tier series exists at 0, so the
+    dashboard and the alerts select the same series with the tier on or off."""
+    engine.publish(EngineStats(prefix_cache_queries=50, prefix_cache_hits=20, num_audits=2))
+    samples = parsed((await client.get("/metrics")).text)
+    assert samples["kvshare_prefix_cache_tier_hits_total"] == {(("tier", "pool"),): 20}
+    for name in TIER_FIGURES:
+        assert samples[name] == {(): 0}, name
+    for name in ("kvshare_kv_tier_bytes", "kvshare_kv_tier_entries"):
+        assert samples[name] == {(("tier", "disk"),): 0, (("tier", "host"),): 0}
+    assert samples["kvshare_kv_tier_load_seconds_count"] == {(): 0}
+
+
+async def test_a_host_tier_is_labelled_host(client, engine: FakeEngine) -> None:
+    engine.publish(tier_stats(kv_tier="host", kv_tier_bytes=1024, kv_tier_entries=2))
+    samples = parsed((await client.get("/metrics")).text)
+    hits = samples["kvshare_prefix_cache_tier_hits_total"]
+    assert hits == {(("tier", "pool"),): 128, (("tier", "host"),): 192}
+    assert samples["kvshare_kv_tier_bytes"] == {(("tier", "disk"),): 0, (("tier", "host"),): 1024}

@@ -63,6 +63,22 @@ REQUIRED_METRICS = {
     "kvshare_tenant_queue_time_seconds": "histogram",
     "kvshare_tenant_rejections_total": "counter",
     "kvshare_fair_share_counter_spread": "gauge",
+    # The second KV tier (docs/kv-tier.md)
+    "kvshare_prefix_cache_tier_hits_total": "counter",
+    "kvshare_kv_tier_loaded_blocks_total": "counter",
+    "kvshare_kv_tier_stored_blocks_total": "counter",
+    "kvshare_kv_tier_load_seconds": "histogram",
+    "kvshare_kv_tier_checksum_failures_total": "counter",
+    "kvshare_kv_tier_refused_entries_total": "counter",
+    "kvshare_kv_tier_missing_entries_total": "counter",
+    "kvshare_kv_tier_dropped_entries_total": "counter",
+    "kvshare_kv_tier_spills_lost_total": "counter",
+    "kvshare_cache_restore_audits_total": "counter",
+    "kvshare_cache_restore_audit_corruptions_total": "counter",
+    "kvshare_kv_tier_bytes": "gauge",
+    "kvshare_kv_tier_entries": "gauge",
+    "kvshare_kv_tier_restored_entries": "gauge",
+    "kvshare_kv_tier_ignored_entries": "gauge",
 }
 # Label values the expressions may match on (docs/metrics.md, FinishReason).
 LABEL_VALUES = {
@@ -70,6 +86,7 @@ LABEL_VALUES = {
     "kind": {"corruption", "drift"},
     "finish_reason": {"stop", "length", "abort", "error"},
     "reason": set(CACHE_MISS_REASONS) | {"running", "waiting", "prompt_tokens"},
+    "tier": {"pool", "disk", "host"},
 }
 
 
@@ -152,7 +169,7 @@ def test_counters_are_read_through_rate_or_increase():
 
 def test_label_values_match_the_design():
     for query in _shipped_queries():
-        for label, value in re.findall(r'\b(state|kind|finish_reason)=~?"([^"]*)"', query):
+        for label, value in re.findall(r'\b(state|kind|finish_reason|tier)=~?"([^"]*)"', query):
             assert set(value.split("|")) <= LABEL_VALUES[label], query
 
 

@@ -98,6 +98,25 @@ CASES = [
         {"2m": [], "4m": [_crit(A, kind="corruption")], "10m": []},
     ),
     _case(
+        "KvshareCacheRestoreCorruption",
+        [
+            _series("kvshare_cache_restore_audit_corruptions_total", A, "0 0 0 1 1 1 1 1 1 1 1 1"),
+            _series("kvshare_cache_restore_audit_corruptions_total", B, "0x11"),
+        ],
+        {"2m": [], "4m": [_crit(A)], "10m": []},
+    ),
+    _case(
+        "KvshareKVTierEntriesRejected",
+        # a: one checksum failure at 3m; b: one refused entry at 6m; neither otherwise.
+        [
+            _series("kvshare_kv_tier_checksum_failures_total", A, "0 0 0 1 1 1 1 1 1 1 1 1"),
+            _series("kvshare_kv_tier_refused_entries_total", A, "0x11"),
+            _series("kvshare_kv_tier_checksum_failures_total", B, "0x11"),
+            _series("kvshare_kv_tier_refused_entries_total", B, "0 0 0 0 0 0 1 1 1 1 1 1"),
+        ],
+        {"2m": [], "4m": [_warn(A)], "7m": [_warn(A), _warn(B)], "10m": [_warn(B)]},
+    ),
+    _case(
         "KvshareKVBlocksLeaked",
         [
             _series("kvshare_kv_blocks_leaked", A, "0 0 2 2"),

@@ -1,0 +1,88 @@
+"""The prefix cache's link to the second KV tier (torch-free): what the pool evicts is spilled
+into the tier, and an admission whose prompt continues past the pool's match into the tier
+loads those blocks back instead of computing them (engine/kv/kv_tier.py holds the tier).
+
+Spills. RadixCache.evict() reports each block it frees with its namespace and token path; a
+block the tier does not hold yet becomes a BlockSpill of the step. The runner reads every spill
+out of the pool first thing in the step (before loads, copies and the forward can write the
+block again) and returns the bytes; store_spilled() hands them to the tier. Blocks evicted for
+the auditor's private blocks are not spilled: the auditor writes them before any runner step.
+
+Loads. restore() runs inside an admission, after the pool's full blocks are shared: the tier's
+consecutive blocks after them are read and verified now (each failed entry is dropped; the
+prompt is computed from there), loaded into fresh pool blocks by BlockLoads of this step, and
+inserted into the prefix tree at once, so they are read-only and shared like any cached block.
+The loads are synchronous on the engine thread: on the CPU a load is a file read from the page
+cache and a CRC (about 30 ms for 2,000 SmolLM2 tokens), far below the prefill it replaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from engine.core.batch import BlockLoad, BlockSpill
+from engine.kv.kv_tier import KVTier
+from engine.kv.radix_cache import RadixCache
+
+
+class TierLink:
+    """Pending transfers of the current step and per-sequence restore counts."""
+
+    def __init__(self, tier: KVTier) -> None:
+        self.tier = tier
+        self.is_spilling = True  # False while the auditor takes blocks
+        self._spills: list[BlockSpill] = []
+        self._loads: list[BlockLoad] = []
+        self._restored_tokens: dict[int, int] = {}  # seq_id -> tokens loaded at admission
+        self.num_spills_lost = 0  # spilled blocks whose bytes never came back (failed steps)
+
+    def on_evict(self, namespace: Hashable, token_ids: Sequence[int], block_id: int) -> None:
+        if self.is_spilling and not self.tier.contains(namespace, token_ids, touch=True):
+            self._spills.append(BlockSpill(block_id, namespace, tuple(token_ids)))
+
+    def take_spills(self) -> list[BlockSpill]:
+        spills, self._spills = self._spills, []
+        return spills
+
+    def take_loads(self) -> list[BlockLoad]:
+        loads, self._loads = self._loads, []
+        return loads
+
+    def store_spilled(self, spills: list[BlockSpill], payloads: list[bytes]) -> None:
+        """The bytes the runner read for this step's spills (none when the step failed)."""
+        if len(payloads) != len(spills):
+            self.num_spills_lost += len(spills)
+            return
+        for spill, payload in zip(spills, payloads, strict=True):
+            self.tier.add(spill.namespace, spill.token_ids, payload)
+
+    def unsaved_cached_blocks(self, cache: RadixCache) -> list[BlockSpill]:
+        """The prefix tree's blocks the tier does not hold, least recently used first: what a
+        graceful stop writes (the runner reads them, store_spilled() adds them)."""
+        return [
+            BlockSpill(block_id, namespace, tuple(token_ids))
+            for namespace, token_ids, block_id in cache.cached_paths()
+            if not self.tier.contains(namespace, token_ids)
+        ]
+
+    def num_restorable_blocks(
+        self, namespace: Hashable, token_ids: Sequence[int], first_block: int, max_blocks: int
+    ) -> int:
+        return self.tier.match(namespace, token_ids, first_block, max_blocks) if max_blocks else 0
+
+    def load(
+        self, namespace: Hashable, token_ids: Sequence[int], first_block: int, num_blocks: int
+    ) -> list[bytes]:
+        return self.tier.load(namespace, token_ids, first_block, num_blocks)
+
+    def add_load(self, block_id: int, payload: bytes) -> None:
+        self._loads.append(BlockLoad(block_id, payload))
+
+    def record_restored(self, seq_id: int, num_tokens: int) -> None:
+        self._restored_tokens[seq_id] = self._restored_tokens.get(seq_id, 0) + num_tokens
+
+    def take_restored_tokens(self, seq_id: int) -> int:
+        return self._restored_tokens.pop(seq_id, 0)
+
+    def forget(self, seq_id: int) -> None:
+        self._restored_tokens.pop(seq_id, None)

@@ -1,0 +1,147 @@
+"""The second tier under the scheduler, over simulated KV memory (one token id per slot, no
+torch): evicted blocks are spilled and loaded back with their exact content (the simulated
+runner checks every context it reads against the sequence's tokens), namespaces stay apart, and
+every path releases its blocks."""
+
+from __future__ import annotations
+
+from engine.core.protocol import EngineRequest
+from engine.kv.kv_tier import KVTier
+from engine.kv.tier_store import MemoryTierStore
+from engine.simulation import BLOCK_SIZE, make_scheduler
+from tests.engine.fakes import expected_outputs, params, run, step
+
+PROMPT_A = list(range(1, 18))  # four full blocks and one token
+PROMPT_B = list(range(30, 58))  # with its outputs, all of an 8-block pool: evicts A's blocks
+
+
+def tiered(num_blocks: int = 8, **options):
+    tier = KVTier(MemoryTierStore(), "fp", BLOCK_SIZE, 1 << 20)
+    scheduler, runner = make_scheduler(
+        num_blocks=num_blocks, enable_prefix_cache=True, tier=tier, **options
+    )
+    return scheduler, runner, tier
+
+
+def serve(scheduler, runner, request_id: str, prompt: list[int], salt: str | None = None):
+    request = EngineRequest(request_id, prompt, params(max_tokens=2), cache_salt=salt)
+    scheduler.add_request(request)
+    result = run(scheduler, runner, {})[request_id]
+    assert result.tokens == {0: expected_outputs(prompt, 0, 2)}
+    assert scheduler.num_leaked_blocks() == 0
+    return result
+
+
+def test_evicted_blocks_come_back_from_the_tier_with_their_exact_content() -> None:
+    scheduler, runner, tier = tiered()
+    serve(scheduler, runner, "a1", PROMPT_A)
+    serve(scheduler, runner, "b", PROMPT_B)
+    assert scheduler.kv_cache_manager.num_evictions > 0
+    assert tier.contains(("w0", "", ""), PROMPT_A[:BLOCK_SIZE])
+    again = serve(scheduler, runner, "a2", PROMPT_A)
+    assert again.num_cached_tokens == 16  # every full block; the last token is computed
+    assert scheduler.counters.prefix_cache_tier_hits == 16
+    loads = [load for out in runner.steps for load in out.block_loads]
+    assert len(loads) == 4
+    # The loaded blocks are cached read-only in the pool again: a third run hits the pool.
+    hits_before = scheduler.counters.prefix_cache_tier_hits
+    assert serve(scheduler, runner, "a3", PROMPT_A).num_cached_tokens == 16
+    assert scheduler.counters.prefix_cache_tier_hits == hits_before
+
+
+def test_the_tier_continues_a_partial_pool_match() -> None:
+    scheduler, runner, _tier = tiered()
+    serve(scheduler, runner, "a1", PROMPT_A)
+    serve(scheduler, runner, "b", PROMPT_B[:20])  # evicts A's tail blocks only
+    kv = scheduler.kv_cache_manager
+    pool_blocks = kv.prefix_cache.match(("w0", "", ""), PROMPT_A).full_block_ids
+    assert 0 < len(pool_blocks) < 4  # the head still in the pool, the rest in the tier only
+    again = serve(scheduler, runner, "a2", PROMPT_A)
+    assert again.num_cached_tokens == 16
+    assert scheduler.counters.prefix_cache_tier_hits == (4 - len(pool_blocks)) * BLOCK_SIZE
+
+
+def test_a_salt_or_tenant_never_loads_another_namespaces_tier_blocks() -> None:
+    scheduler, runner, tier = tiered()
+    serve(scheduler, runner, "a1", PROMPT_A, salt="tenant-1")
+    serve(scheduler, runner, "b", PROMPT_B, salt="tenant-1")
+    assert tier.num_entries_in(("w0", "", "tenant-1")) > 0
+    other = serve(scheduler, runner, "a2", PROMPT_A, salt="tenant-2")
+    assert other.num_cached_tokens == 0
+    assert scheduler.counters.prefix_cache_tier_hits == 0
+    same = serve(scheduler, runner, "a3", PROMPT_A, salt="tenant-1")
+    assert same.num_cached_tokens == 16
+
+
+def test_an_abort_while_the_rest_of_a_restored_prompt_computes_leaks_nothing() -> None:
+    scheduler, runner, _tier = tiered(num_blocks=12, max_num_batched_tokens=4)
+    serve(scheduler, runner, "a1", PROMPT_A)
+    serve(scheduler, runner, "b", [*PROMPT_B, *range(60, 72)])
+    longer = [*PROMPT_A[:16], *range(100, 112)]
+    scheduler.add_request(EngineRequest("a2", longer, params(max_tokens=2)))
+    step(scheduler, runner)
+    assert runner.steps[-1].block_loads  # restored, and its suffix is computing
+    scheduler.abort_request("a2")
+    step(scheduler, runner)
+    assert scheduler.num_leaked_blocks() == 0
+    assert serve(scheduler, runner, "a3", PROMPT_A).num_cached_tokens == 16
+
+
+def test_a_failed_step_loses_its_spills_and_nothing_else() -> None:
+    scheduler, runner, tier = tiered()
+    serve(scheduler, runner, "a1", PROMPT_A)
+    scheduler.add_request(EngineRequest("b", PROMPT_B, params(max_tokens=2)))
+    out = scheduler.schedule()
+    assert out.block_spills
+    num_entries = tier.num_entries
+    scheduler.kv_cache_manager.store_spilled(out.block_spills, [])  # the runner never ran
+    scheduler.fail_seqs([s.seq_id for s in out.seqs], "engine fault")
+    scheduler.check_integrity()
+    assert scheduler.num_leaked_blocks() == 0
+    assert tier.num_entries == num_entries
+    assert scheduler.kv_cache_manager.tier_link.num_spills_lost == len(out.block_spills)
+    serve(scheduler, runner, "a2", PROMPT_A)  # computed again, correctly
+
+
+def test_a_quarantined_block_never_comes_back_from_the_tier() -> None:
+    scheduler, runner, tier = tiered()
+    serve(scheduler, runner, "a1", PROMPT_A)
+    serve(scheduler, runner, "b", PROMPT_B)
+    serve(scheduler, runner, "a2", PROMPT_A)  # loaded back: in the pool and in the tier
+    kv = scheduler.kv_cache_manager
+    blocks = kv.prefix_cache.match(("w0", "", ""), PROMPT_A).full_block_ids
+    assert tier.match(("w0", "", ""), PROMPT_A, 0, 4) == 4
+    kv.quarantine([blocks[1]])
+    assert tier.match(("w0", "", ""), PROMPT_A, 0, 4) == 1  # block 0 only
+    again = serve(scheduler, runner, "a3", PROMPT_A)
+    assert again.num_cached_tokens == BLOCK_SIZE
+
+
+def test_blocks_evicted_for_the_auditor_are_not_spilled() -> None:
+    scheduler, runner, _tier = tiered()
+    serve(scheduler, runner, "a1", PROMPT_A)
+    kv = scheduler.kv_cache_manager
+    held = kv.allocate_held_blocks("audit-0", kv.num_total_blocks * BLOCK_SIZE)
+    assert held is not None and kv.num_evictions > 0
+    assert kv.take_block_spills() == []
+    kv.release_blocks("audit-0")
+    step(scheduler, runner)
+    assert scheduler.num_leaked_blocks() == 0
+
+
+def test_blocks_whose_load_never_ran_are_not_served_from_the_pool() -> None:
+    scheduler, runner, tier = tiered()
+    serve(scheduler, runner, "a1", PROMPT_A)
+    serve(scheduler, runner, "b", PROMPT_B)
+    scheduler.add_request(EngineRequest("a2", PROMPT_A, params(max_tokens=2)))
+    out = scheduler.schedule()
+    assert out.block_loads
+    kv = scheduler.kv_cache_manager
+    kv.store_spilled(out.block_spills, [])  # the step failed: LLMEngine.step's fault path
+    kv.drop_unwritten(out.block_loads)
+    scheduler.fail_seqs([s.seq_id for s in out.seqs], "engine fault")
+    scheduler.check_integrity()
+    assert kv.prefix_cache.match(("w0", "", ""), PROMPT_A).num_matched_tokens == 0
+    # Loaded again from the tier, which still holds the right bytes (the runner checks them).
+    assert serve(scheduler, runner, "a3", PROMPT_A).num_cached_tokens == 16
+    assert tier.counters.num_loaded_blocks == 8
