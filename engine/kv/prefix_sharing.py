@@ -139,9 +139,9 @@ class PrefixSharing(ABC):
 
     def _restore_from_tier(self, seq: Sequence, token_budget: int) -> bool:
         """Load the second tier's blocks that continue seq's shared blocks (verified; a failed
-        entry ends the run) into fresh blocks, insert them in the tree and share them; False
-        (nothing changed) when the tier holds none or the pool has no room for them and the
-        first chunk."""
+        entry ends the run) into fresh blocks, insert them in the tree and share them; as many
+        as the pool has room for beside the first chunk. False (nothing changed) when the tier
+        holds none or there is no room for one."""
         link = self.tier_link
         if link is None:
             return False
@@ -150,6 +150,16 @@ class PrefixSharing(ABC):
         token_ids = seq.token_ids()
         max_blocks = seq.num_reusable_tokens // bs - first
         num_blocks = link.num_restorable_blocks(seq.cache_namespace, token_ids, first, max_blocks)
+        # As many as the pool can hold with the first chunk now (computing the rest needs only
+        # a chunk's blocks at a time; loading needs them all at once).
+        while (
+            num_blocks > 0
+            and self._num_available_blocks(
+                self._num_blocks_to_admit(seq, num_blocks * bs, token_budget)
+            )
+            < 0
+        ):
+            num_blocks -= 1
         if num_blocks <= 0 or not self._make_room_to_admit(seq, num_blocks * bs, token_budget):
             return False
         payloads = link.load(seq.cache_namespace, token_ids, first, num_blocks)
@@ -209,12 +219,16 @@ class PrefixSharing(ABC):
         self._admitted_cache_blocks.setdefault(seq.seq_id, []).append(match.partial_block_id)
 
     def _make_room_to_admit(self, seq: Sequence, num_partial_tokens: int, budget: int) -> bool:
-        """Room for seq's first chunk after its shared blocks (+ the partial copy)."""
-        num_cached = seq.num_computed_tokens + num_partial_tokens
+        """Room for seq's first chunk after its shared blocks (+ the partial copy, or the
+        tokens loaded from the second tier)."""
+        return self._make_room(self._num_blocks_to_admit(seq, num_partial_tokens, budget))
+
+    def _num_blocks_to_admit(self, seq: Sequence, num_extra_cached: int, budget: int) -> int:
+        """New blocks seq's admission takes: num_extra_cached tokens after its shared blocks,
+        then its first chunk."""
+        num_cached = seq.num_computed_tokens + num_extra_cached
         num_new_tokens = min(seq.num_tokens - num_cached, budget)
-        return self._make_room(
-            self.num_blocks_for(num_cached + num_new_tokens) - len(seq.block_ids)
-        )
+        return self.num_blocks_for(num_cached + num_new_tokens) - len(seq.block_ids)
 
     def _adopt_tree_blocks(self, seq: Sequence, token_ids: list[int], start: int) -> None:
         """Switch seq's blocks from index `start` on to the tree's blocks for the same tokens
@@ -262,6 +276,9 @@ class PrefixSharing(ABC):
 
     @abstractmethod
     def _make_room(self, num_blocks: int) -> bool: ...
+
+    @abstractmethod
+    def _num_available_blocks(self, num_blocks: int) -> int: ...
 
     @abstractmethod
     def _decref(self, block_id: int) -> None: ...

@@ -132,6 +132,14 @@ def disk_engine(model_dir: str, directory: Path, **options) -> LLMEngine:
     return make_engine(model_dir, kv_tier="disk", kv_tier_dir=str(directory), **POOL, **options)
 
 
+def saved_after_a(model_dir: str, directory: Path) -> LLMEngine:
+    """An engine that served A and stopped gracefully (its cached blocks are on disk)."""
+    first = disk_engine(model_dir, directory)
+    serve(first, A, "a1")
+    first.close()
+    return first
+
+
 def test_a_restart_serves_the_tier_within_its_namespace_only(
     tiny_model_dir, reference, tmp_path
 ) -> None:
@@ -151,9 +159,7 @@ def test_a_restart_serves_the_tier_within_its_namespace_only(
 def test_a_restart_under_another_fingerprint_ignores_every_entry(
     tiny_model_dir, reference, tmp_path
 ) -> None:
-    first = disk_engine(tiny_model_dir, tmp_path)
-    serve(first, A, "a1")
-    first.close()
+    saved_after_a(tiny_model_dir, tmp_path)
     num_files = len(list(tmp_path.glob("*.kvb")))
     assert num_files >= 6
     other = disk_engine(tiny_model_dir, tmp_path, kv_cache_dtype="float16")
@@ -166,9 +172,7 @@ def test_a_restart_under_another_fingerprint_ignores_every_entry(
 def test_a_corrupt_file_after_a_restart_is_detected_and_recomputed(
     tiny_model_dir, reference, tmp_path
 ) -> None:
-    first = disk_engine(tiny_model_dir, tmp_path)
-    serve(first, A, "a1")
-    first.close()
+    first = saved_after_a(tiny_model_dir, tmp_path)
     path = tmp_path / f"{entry_key(_ns(first), A[: 3 * BS])}.kvb"
     data = bytearray(path.read_bytes())
     data[-100] ^= 0x04  # one bit of block 2's payload

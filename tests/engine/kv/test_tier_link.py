@@ -145,3 +145,20 @@ def test_blocks_whose_load_never_ran_are_not_served_from_the_pool() -> None:
     # Loaded again from the tier, which still holds the right bytes (the runner checks them).
     assert serve(scheduler, runner, "a3", PROMPT_A).num_cached_tokens == 16
     assert tier.counters.num_loaded_blocks == 8
+
+
+def test_a_pool_short_of_room_loads_the_blocks_that_fit_and_computes_the_rest() -> None:
+    scheduler, runner, tier = tiered(num_blocks=8, max_num_batched_tokens=4)
+    serve(scheduler, runner, "a1", PROMPT_A)
+    serve(scheduler, runner, "b", PROMPT_B)
+    kv = scheduler.kv_cache_manager
+    held = kv.allocate_held_blocks("holder", 5 * BLOCK_SIZE)  # 3 blocks left to admit A
+    assert held is not None
+    scheduler.add_request(EngineRequest("a2", PROMPT_A, params(max_tokens=2)))
+    step(scheduler, runner)
+    assert len(runner.steps[-1].block_loads) == 2  # two loaded, a chunk's block beside them
+    kv.release_blocks("holder")
+    result = run(scheduler, runner, {})["a2"]
+    assert result.num_cached_tokens == 2 * BLOCK_SIZE
+    assert result.tokens == {0: expected_outputs(PROMPT_A, 0, 2)}
+    assert scheduler.num_leaked_blocks() == 0
