@@ -52,7 +52,7 @@ class SimulatedRunner:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.steps.append(out)
-        spilled = [json.dumps(self._block(spill.block_id)).encode() for spill in out.block_spills]
+        spilled = [self.block_bytes(spill.block_id) for spill in out.block_spills]
         for load in out.block_loads:
             content = json.loads(load.payload)
             assert len(content) == self.block_size, f"block {load.block_id}: a short payload"
@@ -68,6 +68,10 @@ class SimulatedRunner:
             self.kv[slot] = token
         sampled = {s.seq_id: self._sample(s) for s in out.seqs if s.sample}
         return ModelRunnerOutput(sampled, spilled_kv=spilled)
+
+    def block_bytes(self, block_id: int) -> bytes:
+        """A block's slots as the second tier keeps them (JSON)."""
+        return json.dumps(self._block(block_id)).encode()
 
     def _block(self, block_id: int) -> list[int | None]:
         return self.kv[block_id * self.block_size : (block_id + 1) * self.block_size]

@@ -66,6 +66,7 @@ from engine.core.batch import CacheHit, ScheduledSeq, SchedulerOutput
 from engine.core.config import EngineConfig
 from engine.core.sequence import Sequence
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.runtime.block_io import read_blocks
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.transfer import split_to_device
 
@@ -252,6 +253,7 @@ class Auditor:
                 block_ids = self.kv.allocate_held_blocks(
                     audit.holder, audit.num_prompt_tokens, num_spare_blocks
                 )
+                self._save_spills()
                 if block_ids is None:
                     continue
                 audit.private_block_ids = block_ids
@@ -293,6 +295,14 @@ class Auditor:
             return True
         seq = self._get_seq(audit.hit.seq_id)
         return seq is None or seq.num_output_tokens > 0
+
+    def _save_spills(self) -> None:
+        """Cached blocks evicted for private blocks go to the second tier now, before the
+        recompute writes them (no runner step reads them first, as it does a schedule's)."""
+        spills = self.kv.take_block_spills()
+        if spills:
+            block_ids = [spill.block_id for spill in spills]
+            self.kv.store_spilled(spills, read_blocks(self.runner.kv_caches, block_ids))
 
     # -- comparison -------------------------------------------------------------------------
     def _finish(self, audit: _Audit) -> AuditResult:

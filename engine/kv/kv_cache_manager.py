@@ -294,13 +294,7 @@ class KVCacheManager(PrefixSharing):
         num_blocks = self.num_blocks_for(num_tokens)
         if self._num_available_blocks(num_blocks + num_spare_blocks) < 0:
             return None
-        if self.tier_link is not None:  # written before any runner step could read a spill
-            self.tier_link.is_spilling = False
-        try:
-            self._make_room(num_blocks)
-        finally:
-            if self.tier_link is not None:
-                self.tier_link.is_spilling = True
+        self._make_room(num_blocks)  # the holder reads what this spills (take_block_spills)
         block_ids = [self.pool.allocate() for _ in range(num_blocks)]
         for index, block_id in enumerate(block_ids):
             num_filled = min(self.block_size, num_tokens - index * self.block_size)

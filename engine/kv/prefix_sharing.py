@@ -72,6 +72,8 @@ class PrefixSharing(ABC):
         use_partial = match is not None and match.partial_block_id is not None
         if match is not None and self._restore_from_tier(seq, token_budget):
             use_partial = False  # the tier's whole blocks go further than the partial block
+        elif seq.seq_id not in self._locked_nodes:
+            use_partial = False  # the tier let the partial block go, then loaded nothing
         if use_partial and not self._make_room_to_admit(
             seq, match.num_partial_tokens, token_budget
         ):
@@ -150,6 +152,10 @@ class PrefixSharing(ABC):
         token_ids = seq.token_ids()
         max_blocks = seq.num_reusable_tokens // bs - first
         num_blocks = link.num_restorable_blocks(seq.cache_namespace, token_ids, first, max_blocks)
+        if num_blocks > 0:
+            # The match's lock kept its partial block (and the node's blocks after it) from
+            # eviction; the tier's blocks replace that block, and loading may need the room.
+            self._unlock(seq)
         # As many as the pool can hold with the first chunk now (computing the rest needs only
         # a chunk's blocks at a time; loading needs them all at once).
         while (

@@ -5,10 +5,12 @@ loads those blocks back instead of computing them (engine/kv/kv_tier.py holds th
 Spills. RadixCache.evict() reports each block it frees with its namespace and token path; a
 block the tier does not hold yet becomes a BlockSpill of the step. The runner reads every spill
 out of the pool first thing in the step (before loads, copies and the forward can write the
-block again) and returns the bytes; store_spilled() hands them to the tier. Blocks evicted for
-the auditor's private blocks are not spilled: the auditor writes them before any runner step.
+block again) and returns the bytes; store_spilled() hands them to the tier. The auditor, which
+takes private blocks after the step and writes them at once, reads its own spills right after
+taking them (engine/audit/auditor.py).
 
-Loads. restore() runs inside an admission, after the pool's full blocks are shared: the tier's
+Loads. An admission (PrefixSharing._restore_from_tier), after the pool's full blocks are shared
+and before a partial block is copied, asks for the tier's
 consecutive blocks after them are read and verified now (each failed entry is dropped; the
 prompt is computed from there), loaded into fresh pool blocks by BlockLoads of this step, and
 inserted into the prefix tree at once, so they are read-only and shared like any cached block.
@@ -30,14 +32,13 @@ class TierLink:
 
     def __init__(self, tier: KVTier) -> None:
         self.tier = tier
-        self.is_spilling = True  # False while the auditor takes blocks
         self._spills: list[BlockSpill] = []
         self._loads: list[BlockLoad] = []
         self._restored_tokens: dict[int, int] = {}  # seq_id -> tokens loaded at admission
         self.num_spills_lost = 0  # spilled blocks whose bytes never came back (failed steps)
 
     def on_evict(self, namespace: Hashable, token_ids: Sequence[int], block_id: int) -> None:
-        if self.is_spilling and not self.tier.contains(namespace, token_ids, touch=True):
+        if not self.tier.contains(namespace, token_ids, touch=True):
             self._spills.append(BlockSpill(block_id, namespace, tuple(token_ids)))
 
     def take_spills(self) -> list[BlockSpill]:

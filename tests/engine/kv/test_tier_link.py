@@ -117,16 +117,35 @@ def test_a_quarantined_block_never_comes_back_from_the_tier() -> None:
     assert again.num_cached_tokens == BLOCK_SIZE
 
 
-def test_blocks_evicted_for_the_auditor_are_not_spilled() -> None:
-    scheduler, runner, _tier = tiered()
+def test_blocks_evicted_for_another_holder_are_spilled_for_it_to_read() -> None:
+    scheduler, runner, tier = tiered()
     serve(scheduler, runner, "a1", PROMPT_A)
     kv = scheduler.kv_cache_manager
     held = kv.allocate_held_blocks("audit-0", kv.num_total_blocks * BLOCK_SIZE)
     assert held is not None and kv.num_evictions > 0
-    assert kv.take_block_spills() == []
+    spills = kv.take_block_spills()  # the auditor reads them before it writes its blocks
+    assert [spill.token_ids for spill in spills][-1] == tuple(PROMPT_A[:BLOCK_SIZE])
+    kv.store_spilled(spills, [runner.block_bytes(spill.block_id) for spill in spills])
     kv.release_blocks("audit-0")
-    step(scheduler, runner)
-    assert scheduler.num_leaked_blocks() == 0
+    assert serve(scheduler, runner, "a2", PROMPT_A).num_cached_tokens == 16
+    assert tier.counters.num_loaded_blocks == len(spills)
+
+
+def test_a_partial_pool_match_does_not_keep_the_tier_from_loading() -> None:
+    """The pool matches block 0 and one token of another prompt's block 1, whose node is
+    locked for that partial block: the tier's blocks 1.. still find room to load."""
+    scheduler, runner, tier = tiered(num_blocks=12)
+    shared = [1, 2, 3, 4]
+    prompt_b = [*shared, 10, 20, 21, 22, *range(23, 39), 99]  # 6 full blocks
+    prompt_a = [*shared, 10, 11, 12, 13, *range(40, 72), 98]  # 10 full blocks, one node
+    serve(scheduler, runner, "b1", prompt_b)
+    serve(scheduler, runner, "f", list(range(200, 244)))  # b's blocks go to the tier
+    serve(scheduler, runner, "a", prompt_a)
+    assert tier.contains(("w0", "", ""), prompt_b[:24])
+    tier_hits = scheduler.counters.prefix_cache_tier_hits
+    again = serve(scheduler, runner, "b2", prompt_b)
+    assert again.num_cached_tokens == 24  # block 0 from the pool, 1..5 from the tier
+    assert scheduler.counters.prefix_cache_tier_hits - tier_hits == 20
 
 
 def test_blocks_whose_load_never_ran_are_not_served_from_the_pool() -> None:
@@ -148,7 +167,7 @@ def test_blocks_whose_load_never_ran_are_not_served_from_the_pool() -> None:
 
 
 def test_a_pool_short_of_room_loads_the_blocks_that_fit_and_computes_the_rest() -> None:
-    scheduler, runner, tier = tiered(num_blocks=8, max_num_batched_tokens=4)
+    scheduler, runner, _tier = tiered(num_blocks=8, max_num_batched_tokens=4)
     serve(scheduler, runner, "a1", PROMPT_A)
     serve(scheduler, runner, "b", PROMPT_B)
     kv = scheduler.kv_cache_manager
