@@ -1,9 +1,11 @@
 """A serving run's summary: latency percentiles over the finished requests, throughput and
-cached-token counts, and its Markdown table (benchmarks/serving.py measures the requests)."""
+cached-token counts, and its Markdown table (benchmarks/serving.py measures the requests); the
+CPU a run ran on."""
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -128,3 +130,17 @@ def format_markdown(summary: Summary) -> str:
         lines.append(f"| {label} | {' | '.join(cells)} |")
     lines.extend(f"\nerror: {error}" for error in summary.errors)
     return "\n".join(lines)
+
+
+def cpu_line() -> str:
+    """The CPU model, its cores and vector flags (as lscpu reads them from /proc/cpuinfo)."""
+    model, flags = "unknown CPU", []
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        model = info.split("model name")[1].split(":", 1)[1].split("\n", 1)[0].strip()
+        cpu_flags = info.split("\nflags")[1].split(":", 1)[1].split("\n", 1)[0].split()
+        flags = sorted(f for f in cpu_flags if f.startswith(("avx", "fma", "amx")))
+    except (OSError, IndexError):
+        pass
+    return f"CPU: {model}, {os.cpu_count()} cores, flags {' '.join(flags)}"

@@ -163,18 +163,8 @@ def format_table(table: dict, plan: dict) -> str:
 
 
 def machine_line(peers: Peers) -> str:
-    """The CPU model and its vector flags (as lscpu reads them from /proc/cpuinfo), the peers."""
-    model, flags = "unknown CPU", []
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        model = info.split("model name")[1].split(":", 1)[1].split("\n", 1)[0].strip()
-        cpu_flags = info.split("\nflags")[1].split(":", 1)[1].split("\n", 1)[0].split()
-        flags = sorted(f for f in cpu_flags if f.startswith(("avx", "fma", "amx")))
-    except (OSError, IndexError):
-        pass
-    cpus = f"CPU: {model}, {os.cpu_count()} cores, flags {' '.join(flags)}"
-    return f"{cpus}; {peer_servers.peer_versions(peers)}"
+    """The CPU (run_summary.cpu_line) and the peers."""
+    return f"{run_summary.cpu_line()}; {peer_servers.peer_versions(peers)}"
 
 
 # ---------------------------------------------------------------- command line

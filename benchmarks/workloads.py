@@ -16,6 +16,7 @@ WORKLOADS = ("shared-prefix", "multi-turn", "unique", "mixed-length", "many-syst
 SHARED_PREFIX_WORDS = 190
 QUESTION_WORDS = 12
 TURNS_PER_CONVERSATION = 4
+CONTEXT_WORDS = 60  # a multi-turn conversation's opening context
 MIXED_MIN_PROMPT_WORDS = 16
 MIXED_MAX_PROMPT_WORDS = 768
 NUM_SYSTEM_PROMPTS = 8  # many-system-prompts: distinct ~200-token system prompts
@@ -87,13 +88,37 @@ def build_workload(name: str, num_requests: int, max_tokens: int, seed: int) -> 
 
 
 def _multi_turn(rng: random.Random, num_requests: int, max_tokens: int) -> list[Conversation]:
-    conversations = []
-    for conversation_id, first in enumerate(range(0, num_requests, TURNS_PER_CONVERSATION)):
-        num_turns = min(TURNS_PER_CONVERSATION, num_requests - first)
-        opening = f"{_nonce(rng)} Context: {_words(rng, 60)}. {_question(rng, 0)}"
-        turns = [opening] + [_question(rng, t) for t in range(1, num_turns)]
-        conversations.append(Conversation(conversation_id, turns, [max_tokens] * num_turns))
-    return conversations
+    firsts = range(0, num_requests, TURNS_PER_CONVERSATION)
+    return [
+        _conversation(rng, i, min(TURNS_PER_CONVERSATION, num_requests - first), max_tokens)
+        for i, first in enumerate(firsts)
+    ]
+
+
+def long_conversations(
+    num_conversations: int, num_turns: int, max_tokens: int, seed: int, context_words: int
+) -> list[Conversation]:
+    """multi-turn's conversations with num_turns turns each and an opening context of
+    context_words words (benchmarks/kv_tier.py sizes its working set with them)."""
+    if min(num_conversations, num_turns, max_tokens, context_words) < 1:
+        raise ValueError("every count must be at least 1")
+    rng = random.Random(seed)
+    return [
+        _conversation(rng, conversation_id, num_turns, max_tokens, context_words)
+        for conversation_id in range(num_conversations)
+    ]
+
+
+def _conversation(
+    rng: random.Random,
+    conversation_id: int,
+    num_turns: int,
+    max_tokens: int,
+    context_words: int = CONTEXT_WORDS,
+) -> Conversation:
+    opening = f"{_nonce(rng)} Context: {_words(rng, context_words)}. {_question(rng, 0)}"
+    turns = [opening] + [_question(rng, t) for t in range(1, num_turns)]
+    return Conversation(conversation_id, turns, [max_tokens] * num_turns)
 
 
 def _many_system_prompts(
