@@ -202,7 +202,11 @@ class LLMEngine:
         stays usable for everything else.
         """
         started = time.perf_counter()
-        sched_out = self.scheduler.schedule()
+        try:
+            sched_out = self.scheduler.schedule()
+        except Exception:  # what it loaded or spilled before failing never reaches a runner
+            self.kv_cache_manager.drop_pending_transfers()
+            raise
         self.auditor.start(self.scheduler.take_cache_hits())  # before execute: logits kept
         if sched_out.is_empty and not sched_out.has_transfers:
             # Requests the scheduler finished without running (e.g. never fit) still report.
@@ -218,6 +222,7 @@ class LLMEngine:
             message = f"engine fault while running the model: {type(exc).__name__}: {exc}"
             self.kv_cache_manager.store_spilled(sched_out.block_spills, [])  # counted as lost
             self.kv_cache_manager.drop_unwritten(sched_out.block_loads)  # they hold no KV
+            self.auditor.drop_reading({load.block_id for load in sched_out.block_loads})
             outputs = self.scheduler.fail_seqs([s.seq_id for s in sched_out.seqs], message)
             self._publish(None)
             return outputs
@@ -276,7 +281,7 @@ class LLMEngine:
         """Stop what runs beside the engine (the KV event publisher, after sending what is
         queued; the second tier, after writing the pool's cached blocks to it when it is on
         disk with warm restart). Safe to call again."""
-        if self.kv_tier is not None:
+        if self.kv_tier is not None and not self.kv_tier.is_closed:
             if self.kv_tier.store.persistent and self.config.kv_tier_warm_restart:
                 self.save_cached_blocks()
             self.kv_tier.close()

@@ -19,7 +19,7 @@ from engine.audit.auditor import AuditCounters
 from engine.core.config import EngineConfig
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_tier import KVTier
-from engine.kv.tier_format import engine_fingerprint
+from engine.kv.tier_format import engine_fingerprint, entry_size_bound
 from engine.kv.tier_store import FileTierStore, MemoryTierStore
 from engine.runtime.block_io import read_blocks
 from engine.runtime.cpu.capabilities import cpu_capabilities
@@ -102,9 +102,15 @@ def save_cached_blocks(kv: KVCacheManager, runner: ModelRunner, tier: KVTier | N
     the cap keeps the recent ones) and wait for the store; returns how many."""
     if tier is None:
         return 0
-    spills = kv.unsaved_cached_blocks()
-    room = (tier.max_bytes - tier.num_bytes) // max(1, runner.bytes_per_block)
-    spills = spills[len(spills) - max(0, room) :]  # the most recently used that fit
+    spills = kv.unsaved_cached_blocks()  # least recently used first, ancestors after
+    budget, num_kept = tier.max_bytes, 0
+    for spill in reversed(spills):  # the most recently used that fit (older entries make way)
+        budget -= entry_size_bound(len(spill.token_ids), runner.bytes_per_block)
+        if budget < 0:
+            break
+        num_kept += 1
+    spills = spills[len(spills) - num_kept :]
+    tier.set_pool_counter(lambda _namespace: 0)  # the pool is going: only the tier counts
     for start in range(0, len(spills), _SAVE_CHUNK_BLOCKS):
         chunk = spills[start : start + _SAVE_CHUNK_BLOCKS]
         kv.store_spilled(chunk, read_blocks(runner.kv_caches, [spill.block_id for spill in chunk]))

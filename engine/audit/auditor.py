@@ -224,6 +224,13 @@ class Auditor:
         for audit in list(self._pending):
             self._drop(audit)
 
+    def drop_reading(self, block_ids: set[int]) -> None:
+        """Abandon the queued audits of hits that reused one of block_ids (blocks whose KV a
+        failed step never wrote: comparing them would report a corruption that is not one)."""
+        for audit in list(self._pending):
+            if block_ids.intersection(audit.hit.cached_block_ids):
+                self._drop(audit)
+
     def drain_recent_max_abs_diffs(self) -> list[float]:
         """The max-abs-diffs of audits finished since the last call (the engine puts them in
         the step's stats snapshot; engine thread only, like everything here)."""

@@ -260,6 +260,12 @@ class KVCacheManager(PrefixSharing):
                 if self.pool.refcount(block_id) > 0:
                     self._quarantined.add(block_id)
 
+    def drop_pending_transfers(self) -> None:
+        """A schedule() that failed: its loads never run (their blocks leave the tree, as in
+        drop_unwritten) and its spills are lost."""
+        self.store_spilled(self.take_block_spills(), [])
+        self.drop_unwritten(self.take_block_loads())
+
     def unsaved_cached_blocks(self) -> list[BlockSpill]:
         """Cached blocks the second tier lacks, least recently used first ([] without one)."""
         if self.tier_link is None or self.prefix_cache is None:

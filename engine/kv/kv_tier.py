@@ -103,6 +103,7 @@ class KVTier:
         self._lru_by_namespace: dict[tuple[str, ...], OrderedDict[str, _Entry]] = {}
         self.num_bytes = 0
         self.counters = TierCounters()
+        self.is_closed = False
 
     def set_pool_counter(self, num_blocks_in_pool: Callable[[Hashable], int]) -> None:
         """num_blocks_in_pool(namespace): its prefix-tree blocks (for the namespace cap)."""
@@ -348,6 +349,7 @@ class KVTier:
 
     def close(self) -> None:
         self.store.close()
+        self.is_closed = True
 
     # -- helpers ----------------------------------------------------------------------------
     def _touch(self, entry: _Entry) -> None:

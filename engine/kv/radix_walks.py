@@ -97,14 +97,13 @@ def cached_paths(
     roots: Iterable[RadixNode], block_size: int
 ) -> list[tuple[Namespace, list[int], int]]:
     """(namespace, token path to the block's end, block id) of every block under the roots,
-    least recently used first."""
+    least recently used first and, among blocks used together, the deepest first: a tail of the
+    list holds every block's ancestors (a block's ancestors are used whenever it is)."""
     found = []
     for root in roots:
         for node in preorder(root):
             for index, block_id in enumerate(node.block_ids):
-                found.append((node.last_access, node.node_id, index, node, block_id))
-    found.sort(key=lambda item: item[:3])
-    return [
-        (node.namespace, path_token_ids(node, (index + 1) * block_size), block_id)
-        for _, _, index, node, block_id in found
-    ]
+                path = path_token_ids(node, (index + 1) * block_size)
+                found.append((node.last_access, -len(path), node.namespace, path, block_id))
+    found.sort(key=lambda item: item[:2])
+    return [(namespace, path, block_id) for _, _, namespace, path, block_id in found]

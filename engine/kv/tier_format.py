@@ -122,6 +122,12 @@ def decode_entry(data: bytes) -> tuple[EntryHead, bytes]:
     return head, bytes(body[start:])
 
 
+def entry_size_bound(num_tokens: int, payload_len: int) -> int:
+    """About the most bytes an entry of num_tokens tokens takes (a token id: at most 20 bytes of
+    JSON with its comma; the rest of the head: 512, enough beside a namespace of short names)."""
+    return _PREFIX_LEN + 512 + 20 * num_tokens + payload_len + _LEN.size
+
+
 def engine_fingerprint(fields: Mapping[str, object]) -> str:
     """A digest of what the KV in an entry depends on (weights, tokenizer, block size, KV dtype
     and layout, compute mode) and of this format's version."""

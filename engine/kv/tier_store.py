@@ -4,7 +4,8 @@ Both stores keep encoded entries (engine/kv/tier_format.py) by key and know noth
 meaning; engine/kv/kv_tier.py indexes, bounds and verifies them.
 
 FileTierStore writes on a thread of its own, so the engine thread never waits on the disk: put()
-keeps the bytes in memory until they are written (get() serves them from there meanwhile). A
+keeps the bytes in memory until they are written (get() serves them from there meanwhile);
+delete() unlinks at once. A
 write goes to a temporary file in the same directory and is published by os.replace(), which
 is atomic: a process killed mid-write leaves a temporary file, never an entry, and the next
 start removes the temporary files. Files are not fsynced one by one: a torn file after a power
@@ -98,7 +99,7 @@ class FileTierStore:
         self._pending: dict[str, tuple[int, bytes]] = {}
         self._num_puts = 0
         self._lock = threading.Lock()
-        self._ops: queue.Queue[tuple[str, str, int] | None] = queue.Queue()
+        self._ops: queue.Queue[tuple[str, int] | None] = queue.Queue()  # (key, put number)
         self.num_write_errors = 0
         self._writer = threading.Thread(
             target=self._write_loop, name="kvshare-kv-tier", daemon=True
@@ -112,7 +113,7 @@ class FileTierStore:
         with self._lock:
             self._num_puts += 1
             self._pending[key] = (self._num_puts, data)
-            self._ops.put(("put", key, self._num_puts))
+            self._ops.put((key, self._num_puts))
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
@@ -125,9 +126,12 @@ class FileTierStore:
             return None
 
     def delete(self, key: str) -> None:
+        """Gone at once, from memory and disk: a put still queued finds nothing to write, one
+        being written is unlinked (_publish checks under the same lock), so a deleted entry
+        (a quarantined block's) cannot come back after a crash."""
         with self._lock:
             self._pending.pop(key, None)
-            self._ops.put(("delete", key, 0))
+            self.path(key).unlink(missing_ok=True)
 
     def scan(self) -> Iterator[StoredEntry]:
         """Published entries with their heads, oldest first; temporary files left by a killed
@@ -143,8 +147,9 @@ class FileTierStore:
             yield StoredEntry(path.stem, _read_head(path), size)
 
     def flush(self) -> None:
-        """Return once every put() and delete() so far is on disk."""
-        self._ops.join()
+        """Return once every put() so far is on disk (or failed); at once after close()."""
+        if self._writer.is_alive():
+            self._ops.join()
 
     def close(self) -> None:
         if self._writer.is_alive():
@@ -158,32 +163,36 @@ class FileTierStore:
             try:
                 if op is None:
                     return
-                kind, key, number = op
-                if kind == "delete":
-                    self.path(key).unlink(missing_ok=True)
-                else:
-                    self._publish(key, number)
-            except OSError as exc:
+                self._publish(*op)
+            except Exception as exc:  # a full disk: the entry is dropped, the writer goes on
                 self.num_write_errors += 1
-                logger.warning("KV tier: could not write %s: %s", op, exc)
+                logger.warning("KV tier: could not write entry %s: %s", op, exc)
             finally:
                 self._ops.task_done()
 
     def _publish(self, key: str, number: int) -> None:
         """Write put number `number` of key, unless it was deleted or put again since (a later
-        op of the queue does what is left)."""
+        op of the queue does what is left). A failed write leaves neither a temporary file nor
+        the bytes in memory: the entry is gone (counted missing when next looked up)."""
         with self._lock:
             pending = self._pending.get(key)
         if pending is None or pending[0] != number:
             return
         tmp = self.directory / f"{_TMP_PREFIX}{os.getpid()}-{key}"
-        tmp.write_bytes(pending[1])
-        with self._lock:
-            if self._pending.get(key) is not pending:  # deleted or put again meanwhile
-                tmp.unlink(missing_ok=True)
-                return
-            os.replace(tmp, self.path(key))
-            del self._pending[key]
+        try:
+            tmp.write_bytes(pending[1])
+            with self._lock:
+                if self._pending.get(key) is not pending:  # deleted or put again meanwhile
+                    tmp.unlink(missing_ok=True)
+                    return
+                os.replace(tmp, self.path(key))
+                del self._pending[key]
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                if self._pending.get(key) is pending:
+                    del self._pending[key]
+            raise
 
 
 def _read_head(path: Path) -> EntryHead | None:

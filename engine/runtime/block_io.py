@@ -13,6 +13,7 @@ import torch
 from engine.core.batch import BlockLoad
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+CHUNK_BLOCKS = 64  # blocks moved at a time: the staging copies stay small beside the pool
 
 
 def block_nbytes(kv_caches: KVCaches) -> int:
@@ -21,9 +22,14 @@ def block_nbytes(kv_caches: KVCaches) -> int:
 
 
 def read_blocks(kv_caches: KVCaches, block_ids: list[int]) -> list[bytes]:
-    """The bytes of each block, in order (copied to the host)."""
-    if not block_ids:
-        return []
+    """The bytes of each block, in order (copied to the host, CHUNK_BLOCKS at a time)."""
+    found: list[bytes] = []
+    for start in range(0, len(block_ids), CHUNK_BLOCKS):
+        found += _read_chunk(kv_caches, block_ids[start : start + CHUNK_BLOCKS])
+    return found
+
+
+def _read_chunk(kv_caches: KVCaches, block_ids: list[int]) -> list[bytes]:
     device = kv_caches[0][0].device
     index = torch.tensor(block_ids, dtype=torch.long, device=device)
     parts = [
@@ -36,13 +42,18 @@ def read_blocks(kv_caches: KVCaches, block_ids: list[int]) -> list[bytes]:
 
 
 def write_blocks(kv_caches: KVCaches, loads: list[BlockLoad]) -> None:
-    """Write each load's payload (bytes of read_blocks()) into its block."""
-    if not loads:
-        return
+    """Write each load's payload (bytes of read_blocks()) into its block, CHUNK_BLOCKS at a
+    time; a block listed twice gets its last payload."""
     expected = block_nbytes(kv_caches)
     for load in loads:
         if len(load.payload) != expected:
             raise ValueError(f"block {load.block_id}: {len(load.payload)} bytes, not {expected}")
+    last = list({load.block_id: load for load in loads}.values())
+    for start in range(0, len(last), CHUNK_BLOCKS):
+        _write_chunk(kv_caches, last[start : start + CHUNK_BLOCKS], expected)
+
+
+def _write_chunk(kv_caches: KVCaches, loads: list[BlockLoad], expected: int) -> None:
     device = kv_caches[0][0].device
     host = np.frombuffer(b"".join(load.payload for load in loads), dtype=np.uint8)
     data = torch.from_numpy(host.copy()).view(len(loads), expected).to(device)

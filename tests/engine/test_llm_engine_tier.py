@@ -183,3 +183,61 @@ def test_a_corrupt_file_after_a_restart_is_detected_and_recomputed(
     assert cached == 2 * BS  # blocks 0 and 1; block 2 on is computed
     assert again.stats().num_tier_checksum_failures == 1
     again.close()
+
+
+def test_a_save_under_a_small_cap_keeps_a_prompts_first_blocks(tiny_model_dir, tmp_path) -> None:
+    entry = tier_entry_bytes(tiny_model_dir, tmp_path / "probe")
+    first = disk_engine(tiny_model_dir, tmp_path, kv_tier_max_bytes=3 * entry + 4000)
+    serve(first, A, "a1")
+    first.close()
+    first.close()  # safe again
+    again = disk_engine(tiny_model_dir, tmp_path)
+    assert serve(again, A, "a2")[1] == 3 * BS  # blocks 0-2, from position 0: usable
+    again.close()
+
+
+def test_a_save_keeps_a_tenant_at_its_cap(tiny_model_dir, tmp_path) -> None:
+    capped = dict(max_cached_blocks_per_namespace=6)
+    first = disk_engine(tiny_model_dir, tmp_path, **capped)
+    serve(first, A, "a1", salt="tenant")  # its 6 blocks fill its cap in the pool
+    first.close()
+    again = disk_engine(tiny_model_dir, tmp_path, **capped)
+    assert serve(again, A, "a2", salt="tenant")[1] == 96
+    again.close()
+
+
+def tier_entry_bytes(model_dir: str, directory: Path) -> int:
+    """The bytes of one saved entry of A's first block."""
+    engine = disk_engine(model_dir, directory)
+    serve(engine, A[:20], "probe")
+    engine.close()
+    (path,) = directory.glob("*.kvb")
+    return path.stat().st_size
+
+
+def test_a_step_that_fails_before_its_loads_drops_them_and_their_audits(
+    tiny_model_dir, reference, monkeypatch
+) -> None:
+    engine = make_engine(
+        tiny_model_dir, kv_tier="host", audit_restored_sample_rate=1.0, num_kv_blocks=24
+    )
+    serve(engine, A, "a1")
+    for index, other in enumerate((B, C, prompt(4), prompt(5))):
+        serve(engine, other, f"x{index}")
+    execute = engine.runner.execute
+
+    def fails(sched_out):
+        assert sched_out.block_loads
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "execute", fails)
+    engine.add_request(EngineRequest("a2", A, GREEDY))
+    (output,) = engine.step()
+    assert output.error is not None and "device lost" in output.error
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    stats = engine.stats()
+    assert stats.num_audits_dropped == 1 and stats.num_audit_corruptions == 0
+    assert engine.kv_cache_manager.prefix_cache.match(_ns(engine), A).num_matched_tokens == 0
+    tokens, cached = serve(engine, A, "a3")  # loaded again, written this time
+    assert tokens == reference[tuple(A)] and cached == 96
+    assert engine.stats().num_audit_corruptions == 0

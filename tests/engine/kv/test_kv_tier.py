@@ -227,3 +227,38 @@ def test_kill_9_during_writes_leaves_no_entry_that_fails_or_is_half_written(tmp_
     assert t.counters.num_checksum_failures == 0 and t.counters.num_ignored_at_start == 0
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
     t.close()
+
+
+def test_a_failed_write_leaves_no_file_and_keeps_no_bytes(tmp_path: Path, monkeypatch) -> None:
+    store = FileTierStore(tmp_path)
+    original = Path.write_bytes
+
+    def disk_full(self, data):
+        original(self, data[:10])  # a torn temporary file, then the error
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
+    store.put("k1", b"x" * 1000)
+    store.flush()
+    monkeypatch.setattr(Path, "write_bytes", original)
+    assert store.num_write_errors == 1
+    assert store.get("k1") is None  # neither in memory nor on disk
+    assert list(tmp_path.iterdir()) == []
+    store.put("k2", b"y" * 10)  # the writer goes on
+    store.flush()
+    assert store.get("k2") == b"y" * 10
+    store.close()
+    store.flush()  # closed: returns at once
+
+
+def test_a_delete_is_on_disk_at_once(tmp_path: Path) -> None:
+    store = FileTierStore(tmp_path)
+    store.put("k1", b"x")
+    store.flush()
+    store.put("k2", b"y")  # possibly still queued
+    store.delete("k1")
+    store.delete("k2")
+    assert store.get("k1") is None and store.get("k2") is None
+    store.flush()
+    assert list(tmp_path.iterdir()) == []
+    store.close()
