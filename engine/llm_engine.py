@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MAX_RECENT_STEPS = 10_000
+_IDLE_READ_WAIT_S = 0.005  # an empty step waits this long at most for a tier read in flight
 
 
 @dataclass
@@ -214,6 +215,8 @@ class LLMEngine:
             outputs = self.scheduler.update_from_output(sched_out, ModelRunnerOutput())
             self._run_audits(sched_out)
             self._publish(None)
+            if not outputs:  # nothing ran: a request may wait on its tier blocks being read
+                self.kv_cache_manager.wait_for_tier_reads(_IDLE_READ_WAIT_S)
             return outputs
         try:
             runner_out = self.runner.execute(sched_out)
@@ -282,6 +285,8 @@ class LLMEngine:
         queued; the second tier, after writing the pool's cached blocks to it when it is on
         disk with warm restart). Safe to call again."""
         if self.kv_tier is not None and not self.kv_tier.is_closed:
+            if self.kv_cache_manager.tier_link is not None:
+                self.kv_cache_manager.tier_link.close()
             if self.kv_tier.store.persistent and self.config.kv_tier_warm_restart:
                 self.save_cached_blocks()
             self.kv_tier.close()

@@ -89,6 +89,7 @@ def build_kv_tier(config: EngineConfig, runner: ModelRunner) -> KVTier | None:
         runner.block_size,
         config.kv_tier_max_bytes,
         config.max_cached_blocks_per_namespace,
+        read_ahead=True,
     )
     if store.persistent and config.kv_tier_warm_restart:
         tier.restore()

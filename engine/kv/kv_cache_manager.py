@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from engine.core.batch import BlockCopy, BlockLoad, BlockSpill
+from engine.core.batch import BlockCopy
 from engine.core.errors import KVEventsDisabled
 from engine.core.intmath import cdiv
 from engine.core.sequence import Sequence
@@ -236,45 +236,6 @@ class KVCacheManager(PrefixSharing):
         """
         copies, self._pending_copies = self._pending_copies, []
         return copies
-
-    def take_block_spills(self) -> list[BlockSpill]:
-        """Blocks evicted since the last call that the second tier wants ([] without one)."""
-        return self.tier_link.take_spills() if self.tier_link is not None else []
-
-    def take_block_loads(self) -> list[BlockLoad]:
-        """Second-tier blocks admitted since the last call, to write before the copies."""
-        return self.tier_link.take_loads() if self.tier_link is not None else []
-
-    def store_spilled(self, spills: list[BlockSpill], payloads: list[bytes]) -> None:
-        """The runner's bytes for a step's spills go to the tier."""
-        if self.tier_link is not None and spills:
-            self.tier_link.store_spilled(spills, payloads)
-
-    def drop_unwritten(self, loads: list[BlockLoad]) -> None:
-        """A step failed before its tier loads were surely written: those blocks, and what is
-        cached after them, leave the tree; holders keep them but never insert them again."""
-        for load in loads:
-            if self.prefix_cache is None:
-                return
-            for block_id in [load.block_id, *self.prefix_cache.invalidate(load.block_id)]:
-                if self.pool.refcount(block_id) > 0:
-                    self._quarantined.add(block_id)
-
-    def drop_pending_transfers(self) -> None:
-        """A schedule() that failed: its loads never run (their blocks leave the tree, as in
-        drop_unwritten) and its spills are lost."""
-        self.store_spilled(self.take_block_spills(), [])
-        self.drop_unwritten(self.take_block_loads())
-
-    def unsaved_cached_blocks(self) -> list[BlockSpill]:
-        """Cached blocks the second tier lacks, least recently used first ([] without one)."""
-        if self.tier_link is None or self.prefix_cache is None:
-            return []
-        return self.tier_link.unsaved_cached_blocks(self.prefix_cache)
-
-    def take_restored_tokens(self, seq: Sequence) -> int:
-        """Tokens of seq's last admission that came from the second tier (then forgotten)."""
-        return self.tier_link.take_restored_tokens(seq.seq_id) if self.tier_link else 0
 
     def evict(self, num_blocks: int) -> list[int]:
         """Free up to num_blocks cached blocks no sequence holds or locks (LRU leaves first)."""

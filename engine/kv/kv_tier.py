@@ -23,19 +23,12 @@ Engine thread only, except what the store does on its own thread (engine/kv/tier
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from engine.kv.tier_format import (
-    EntryError,
-    EntryHead,
-    decode_entry,
-    encode_entry,
-    entry_key,
-    namespace_key,
-)
+from engine.kv.tier_format import EntryHead, encode_entry, entry_key, namespace_key
+from engine.kv.tier_reads import Fetch, Fetched, Located, fetch
 from engine.kv.tier_store import TierStore
 
 logger = logging.getLogger(__name__)
@@ -90,8 +83,12 @@ class KVTier:
         block_size: int,
         max_bytes: int,
         max_blocks_per_namespace: int | None = None,
+        read_ahead: bool = False,
     ) -> None:
         self.store = store
+        # Read a waiting sequence's entries on a reader thread (engine/kv/tier_reads.py);
+        # False: on the engine thread, within its admission.
+        self.read_ahead = read_ahead
         self.kind = store.kind
         self.fingerprint = fingerprint
         self.block_size = block_size
@@ -155,44 +152,67 @@ class KVTier:
             index += 1
         return num_found
 
-    def load(
+    def locate(
         self, namespace: Hashable, token_ids: Sequence[int], first_block: int, num_blocks: int
-    ) -> list[bytes]:
-        """The KV payloads of blocks first_block .. first_block + num_blocks - 1 of token_ids,
-        each verified; stops at the first entry that fails (dropped and counted)."""
-        started = time.perf_counter()
+    ) -> tuple[Located, ...]:
+        """The indexed entries of blocks first_block .. first_block + num_blocks - 1 of
+        token_ids, up to the first the tier does not hold."""
         ns = namespace_key(namespace)
         bs = self.block_size
-        payloads: list[bytes] = []
+        located: list[Located] = []
         for index in range(first_block, first_block + num_blocks):
             path = tuple(token_ids[: (index + 1) * bs])
             node = self._find(ns, path, create=False)
             if node is None or node.entry is None:
                 break
-            payload = self._read(node.entry, ns, path)
+            located.append(Located(node.entry.key, path))
+        return tuple(located)
+
+    def load(
+        self, namespace: Hashable, token_ids: Sequence[int], first_block: int, num_blocks: int
+    ) -> list[bytes]:
+        """The KV payloads of blocks first_block .. first_block + num_blocks - 1 of token_ids,
+        read here and each verified; stops at the first entry that fails (dropped, counted)."""
+        located = self.locate(namespace, token_ids, first_block, num_blocks)
+        return self.accept(namespace, fetch(self.store, located))
+
+    def accept(self, namespace: Hashable, read: Fetch) -> list[bytes]:
+        """The payloads of a fetch() (here or on a reader thread) that pass verification, in
+        order: each entry must still be indexed under its key and hold this fingerprint, this
+        namespace and its token path. Stops at the first that fails (dropped and counted)."""
+        ns = namespace_key(namespace)
+        payloads: list[bytes] = []
+        for located, fetched in zip(read.located, read.results, strict=False):
+            node = self._find(ns, located.path, create=False)
+            entry = node.entry if node is not None else None
+            if entry is None or entry.key != located.key:
+                break  # dropped meanwhile
+            payload = self._verified(entry, ns, located.path, fetched)
             if payload is None:
                 break
-            self._touch(node.entry)
+            self._touch(entry)
             payloads.append(payload)
         if payloads:
             self.counters.num_loaded_blocks += len(payloads)
-            self.counters.num_loaded_tokens += len(payloads) * bs
-            self._record_seconds(time.perf_counter() - started)
+            self.counters.num_loaded_tokens += len(payloads) * self.block_size
+            self._record_seconds(read.seconds)
         return payloads
 
-    def _read(self, entry: _Entry, namespace: tuple[str, ...], path: tuple[int, ...]):
-        data = self.store.get(entry.key)
-        if data is None:
+    def _verified(
+        self, entry: _Entry, namespace: tuple[str, ...], path: tuple[int, ...], fetched: Fetched
+    ) -> bytes | None:
+        if fetched.entry is None and fetched.error == "missing":
             self.counters.num_missing += 1
             self._drop(entry)
             return None
-        try:
-            head, payload = decode_entry(data)
-        except EntryError as exc:
+        if fetched.entry is None:
             self.counters.num_checksum_failures += 1
-            logger.warning("KV tier: entry %s failed verification (%s); dropped", entry.key, exc)
+            logger.warning(
+                "KV tier: entry %s failed verification (%s); dropped", entry.key, fetched.error
+            )
             self._drop(entry)
             return None
+        head, payload = fetched.entry
         if (
             head.fingerprint != self.fingerprint
             or head.namespace != namespace

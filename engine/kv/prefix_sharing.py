@@ -1,5 +1,6 @@
-"""KVCacheManager's prefix-cache half (torch-free): admit a sequence with its cached prefix,
-offer its computed blocks back to the tree, and say why a prompt missed.
+"""KVCacheManager's prefix-cache half (torch-free): admit a sequence with its cached prefix (from
+the pool, and from the second tier when there is one), offer its computed blocks back to the
+tree, say why a prompt missed, and hand the step's second-tier transfers over.
 
 The base class of KVCacheManager (engine/kv/kv_cache_manager.py), never used alone: it works on
 the manager's pool, tree and block tables (the attributes declared below) and calls the block
@@ -11,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import Counter
 
-from engine.core.batch import BlockCopy
+from engine.core.batch import BlockCopy, BlockLoad, BlockSpill
 from engine.core.protocol import CacheDiagnosis
 from engine.core.sequence import Sequence
 from engine.kv.block_pool import BlockPool
@@ -45,6 +46,7 @@ class PrefixSharing(ABC):
     _num_offered_blocks: dict[int, int]  # seq_id -> leading blocks in the tree
     _admitted_cache_blocks: dict[int, list[int]]  # seq_id -> tree blocks reused
     tier_link: TierLink | None  # the second tier, when there is one
+    _quarantined: set[int]  # found wrong (or never written), still referenced by someone
 
     def cached_prefix_len(self, seq: Sequence) -> int:
         """How many of seq's tokens admit() would reuse right now (0 without the cache).
@@ -55,7 +57,9 @@ class PrefixSharing(ABC):
     def admit(self, seq: Sequence, token_budget: int) -> int | None:
         """Give a waiting seq (no blocks, nothing computed) its cached prefix and the slots of
         its first chunk; returns the chunk's token count, or None (nothing changed) when the
-        pool cannot hold it even after evicting.
+        pool cannot hold it even after evicting, or 0 (nothing changed) while the second
+        tier's blocks it would load are being read on the reader thread (it waits; the step
+        admits others).
 
         Up to seq.num_reusable_tokens known tokens are matched (at least one is left to compute
         and yield logits). Full cached blocks are shared; with a second tier, its blocks that
@@ -67,6 +71,8 @@ class PrefixSharing(ABC):
         """
         assert not seq.block_ids and seq.num_computed_tokens == 0 and token_budget >= 1
         match = self._match(seq)
+        if match is not None and not self._tier_blocks_read(seq, match):
+            return 0  # its tier blocks are being read: it waits, nothing changed
         if match is not None and match.last_node is not None:
             self._share_full_blocks(seq, match)
         use_partial = match is not None and match.partial_block_id is not None
@@ -139,6 +145,16 @@ class PrefixSharing(ABC):
         self.miss_tokens_by_reason[reason] += num_prompt - num_matched
         return make_diagnosis(num_prompt, num_matched, self.block_size, reason)
 
+    def _tier_blocks_read(self, seq: Sequence, match: MatchResult) -> bool:
+        """Whether the tier blocks seq's admission would load are read (see admit)."""
+        if self.tier_link is None:
+            return True
+        first = len(match.full_block_ids)
+        max_blocks = seq.num_reusable_tokens // self.block_size - first
+        return self.tier_link.is_read(
+            seq.seq_id, seq.cache_namespace, seq.token_ids(), first, max_blocks
+        )
+
     def _restore_from_tier(self, seq: Sequence, token_budget: int) -> bool:
         """Load the second tier's blocks that continue seq's shared blocks (verified; a failed
         entry ends the run) into fresh blocks, insert them in the tree and share them; as many
@@ -168,7 +184,7 @@ class PrefixSharing(ABC):
             num_blocks -= 1
         if num_blocks <= 0 or not self._make_room_to_admit(seq, num_blocks * bs, token_budget):
             return False
-        payloads = link.load(seq.cache_namespace, token_ids, first, num_blocks)
+        payloads = link.load(seq.seq_id, seq.cache_namespace, token_ids, first, num_blocks)
         if not payloads:
             return False
         for payload in payloads:
@@ -186,6 +202,51 @@ class PrefixSharing(ABC):
         self._admitted_cache_blocks[seq.seq_id] = list(seq.block_ids)
         link.record_restored(seq.seq_id, len(payloads) * bs)
         return True
+
+    # -- second-tier transfers (the step's spills and loads, engine/kv/tier_link.py) ---------
+    def take_block_spills(self) -> list[BlockSpill]:
+        """Blocks evicted since the last call that the second tier wants ([] without one)."""
+        return self.tier_link.take_spills() if self.tier_link is not None else []
+
+    def take_block_loads(self) -> list[BlockLoad]:
+        """Second-tier blocks admitted since the last call, to write before the copies."""
+        return self.tier_link.take_loads() if self.tier_link is not None else []
+
+    def store_spilled(self, spills: list[BlockSpill], payloads: list[bytes]) -> None:
+        """The runner's bytes for a step's spills go to the tier."""
+        if self.tier_link is not None and spills:
+            self.tier_link.store_spilled(spills, payloads)
+
+    def drop_unwritten(self, loads: list[BlockLoad]) -> None:
+        """A step failed before its tier loads were surely written: those blocks, and what is
+        cached after them, leave the tree; holders keep them but never insert them again."""
+        for load in loads:
+            if self.prefix_cache is None:
+                return
+            for block_id in [load.block_id, *self.prefix_cache.invalidate(load.block_id)]:
+                if self.pool.refcount(block_id) > 0:
+                    self._quarantined.add(block_id)
+
+    def wait_for_tier_reads(self, timeout_s: float) -> None:
+        """Block up to timeout_s while second-tier reads are in flight (an idle step's wait)."""
+        if self.tier_link is not None:
+            self.tier_link.wait_for_reads(timeout_s)
+
+    def drop_pending_transfers(self) -> None:
+        """A schedule() that failed: its loads never run (their blocks leave the tree, as in
+        drop_unwritten) and its spills are lost."""
+        self.store_spilled(self.take_block_spills(), [])
+        self.drop_unwritten(self.take_block_loads())
+
+    def unsaved_cached_blocks(self) -> list[BlockSpill]:
+        """Cached blocks the second tier lacks, least recently used first ([] without one)."""
+        if self.tier_link is None or self.prefix_cache is None:
+            return []
+        return self.tier_link.unsaved_cached_blocks(self.prefix_cache)
+
+    def take_restored_tokens(self, seq: Sequence) -> int:
+        """Tokens of seq's last admission that came from the second tier (then forgotten)."""
+        return self.tier_link.take_restored_tokens(seq.seq_id) if self.tier_link else 0
 
     # -- helpers ----------------------------------------------------------------------------
     def _match(self, seq: Sequence) -> MatchResult | None:

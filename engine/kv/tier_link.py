@@ -14,8 +14,10 @@ and before a partial block is copied, asks for the tier's
 consecutive blocks after them are read and verified now (each failed entry is dropped; the
 prompt is computed from there), loaded into fresh pool blocks by BlockLoads of this step, and
 inserted into the prefix tree at once, so they are read-only and shared like any cached block.
-The loads are synchronous on the engine thread: on the CPU a load is a file read from the page
-cache and a CRC (about 30 ms for 2,000 SmolLM2 tokens), far below the prefill it replaces.
+With read-ahead (KVTier.read_ahead, on in a served engine), an admission that would load waits
+while a reader thread reads and checks those entries (engine/kv/tier_reads.py): the sequence
+stays waiting, the others step on, and the next admission finds them read. Without it they are
+read within the admission, on the engine thread.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Hashable, Sequence
 from engine.core.batch import BlockLoad, BlockSpill
 from engine.kv.kv_tier import KVTier
 from engine.kv.radix_cache import RadixCache
+from engine.kv.tier_reads import ReadAhead, fetch
 
 
 class TierLink:
@@ -32,6 +35,7 @@ class TierLink:
 
     def __init__(self, tier: KVTier) -> None:
         self.tier = tier
+        self.read_ahead = ReadAhead(tier.store) if tier.read_ahead else None
         self._spills: list[BlockSpill] = []
         self._loads: list[BlockLoad] = []
         self._restored_tokens: dict[int, int] = {}  # seq_id -> tokens loaded at admission
@@ -71,10 +75,43 @@ class TierLink:
     ) -> int:
         return self.tier.match(namespace, token_ids, first_block, max_blocks) if max_blocks else 0
 
+    def is_read(
+        self,
+        seq_id: int,
+        namespace: Hashable,
+        token_ids: Sequence[int],
+        first_block: int,
+        max_blocks: int,
+    ) -> bool:
+        """With read-ahead: whether the tier blocks seq would load (from first_block on) have
+        been read; starts reading them when not. True without read-ahead or tier blocks."""
+        if self.read_ahead is None or max_blocks <= 0:
+            return True
+        located = self.tier.locate(namespace, token_ids, first_block, max_blocks)
+        return not located or self.read_ahead.poll(seq_id, located)
+
     def load(
-        self, namespace: Hashable, token_ids: Sequence[int], first_block: int, num_blocks: int
+        self,
+        seq_id: int,
+        namespace: Hashable,
+        token_ids: Sequence[int],
+        first_block: int,
+        num_blocks: int,
     ) -> list[bytes]:
-        return self.tier.load(namespace, token_ids, first_block, num_blocks)
+        """The verified payloads of those blocks: what the reader thread read for seq when it
+        read exactly them, else read here."""
+        located = self.tier.locate(namespace, token_ids, first_block, num_blocks)
+        read = self.read_ahead.take(seq_id, located) if self.read_ahead is not None else None
+        return self.tier.accept(namespace, read or fetch(self.tier.store, located))
+
+    def wait_for_reads(self, timeout_s: float) -> None:
+        """Block up to timeout_s for a read in flight (when the engine has nothing else)."""
+        if self.read_ahead is not None:
+            self.read_ahead.wait_any(timeout_s)
+
+    @property
+    def num_reads_in_flight(self) -> int:
+        return self.read_ahead.num_in_flight if self.read_ahead is not None else 0
 
     def add_load(self, block_id: int, payload: bytes) -> None:
         self._loads.append(BlockLoad(block_id, payload))
@@ -87,3 +124,9 @@ class TierLink:
 
     def forget(self, seq_id: int) -> None:
         self._restored_tokens.pop(seq_id, None)
+        if self.read_ahead is not None:
+            self.read_ahead.forget(seq_id)
+
+    def close(self) -> None:
+        if self.read_ahead is not None:
+            self.read_ahead.close()

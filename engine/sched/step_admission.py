@@ -103,6 +103,8 @@ class StepAdmission(ABC):
             if budget == 0 or self.admission.is_held(seq, self.table.running):
                 continue
             num_tokens = self.kv_cache_manager.admit(seq, budget)
+            if num_tokens == 0:
+                continue  # its second-tier blocks are being read: the next step admits it
             if num_tokens is None:
                 break
             self.table.admit(seq)

@@ -5,6 +5,8 @@ every path releases its blocks."""
 
 from __future__ import annotations
 
+import threading
+
 from engine.core.protocol import EngineRequest
 from engine.kv.kv_tier import KVTier
 from engine.kv.tier_store import MemoryTierStore
@@ -181,3 +183,59 @@ def test_a_pool_short_of_room_loads_the_blocks_that_fit_and_computes_the_rest() 
     assert result.num_cached_tokens == 2 * BLOCK_SIZE
     assert result.tokens == {0: expected_outputs(PROMPT_A, 0, 2)}
     assert scheduler.num_leaked_blocks() == 0
+
+
+class GatedStore(MemoryTierStore):
+    """A store whose reads wait until the test opens the gate (a slow disk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def get(self, key: str) -> bytes | None:
+        assert self.gate.wait(timeout=10), "the gate stayed shut"
+        return super().get(key)
+
+
+def test_with_read_ahead_a_request_waits_for_its_reads_while_others_step() -> None:
+    store = GatedStore()
+    tier = KVTier(store, "fp", BLOCK_SIZE, 1 << 20, read_ahead=True)
+    scheduler, runner = make_scheduler(num_blocks=8, enable_prefix_cache=True, tier=tier)
+    kv = scheduler.kv_cache_manager
+    serve(scheduler, runner, "a1", PROMPT_A)
+    serve(scheduler, runner, "b", PROMPT_B)
+    store.gate.clear()  # reads hang until opened
+    scheduler.add_request(EngineRequest("a2", PROMPT_A, params(max_tokens=2)))
+    scheduler.add_request(EngineRequest("x", [60, 61, 62], params(max_tokens=2)))
+    step(scheduler, runner)
+    scheduled = [s.seq_id for s in runner.steps[-1].seqs]
+    assert len(scheduled) == 1 and not runner.steps[-1].block_loads  # x runs, a2 waits
+    assert kv.tier_link.num_reads_in_flight == 1
+    store.gate.set()
+    kv.wait_for_tier_reads(10.0)
+    results = run(scheduler, runner, {})
+    assert results["a2"].num_cached_tokens == 16
+    assert results["a2"].tokens == {0: expected_outputs(PROMPT_A, 0, 2)}
+    assert scheduler.num_leaked_blocks() == 0
+    kv.tier_link.close()
+
+
+def test_with_read_ahead_an_abort_while_reading_leaves_nothing() -> None:
+    store = GatedStore()
+    tier = KVTier(store, "fp", BLOCK_SIZE, 1 << 20, read_ahead=True)
+    scheduler, runner = make_scheduler(num_blocks=8, enable_prefix_cache=True, tier=tier)
+    kv = scheduler.kv_cache_manager
+    serve(scheduler, runner, "a1", PROMPT_A)
+    serve(scheduler, runner, "b", PROMPT_B)
+    store.gate.clear()
+    scheduler.add_request(EngineRequest("a2", PROMPT_A, params(max_tokens=2)))
+    step(scheduler, runner)
+    assert kv.tier_link.num_reads_in_flight == 1
+    scheduler.abort_request("a2")
+    assert kv.tier_link.num_reads_in_flight == 0  # its read is forgotten with it
+    store.gate.set()
+    step(scheduler, runner)
+    assert scheduler.num_leaked_blocks() == 0 and not scheduler.has_unfinished_requests()
+    assert serve(scheduler, runner, "a3", PROMPT_A).num_cached_tokens == 16
+    kv.tier_link.close()
