@@ -247,7 +247,9 @@ class KVTier:
             self._prune(node)
             return False
         key = entry_key(ns, path)
-        self.store.put(key, data)
+        if not self.store.put(key, data):  # the store is behind (counted there)
+            self._prune(node)
+            return False
         self._index(node, key, len(data))
         self.counters.num_stored += 1
         self._enforce_caps(ns)

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 SUFFIX = ".kvb"
 _TMP_PREFIX = ".tmp-"
 _MAX_HEAD_BYTES = 64 << 20  # a longer head is not one this code wrote
+MAX_PENDING_BYTES = 256 << 20  # bytes put but not yet written, beyond which put() refuses
 
 
 class StoredEntry(NamedTuple):
@@ -42,7 +43,10 @@ class TierStore(Protocol):
     persistent: bool  # entries survive the process (warm restart)
     num_write_errors: int  # entries the store could not keep (a full disk); counted, dropped
 
-    def put(self, key: str, data: bytes) -> None: ...
+    def put(self, key: str, data: bytes) -> bool:
+        """Keep data under key; False (nothing kept, counted in num_write_errors) when the
+        store cannot take it now."""
+        ...
 
     def get(self, key: str) -> bytes | None: ...
 
@@ -67,8 +71,9 @@ class MemoryTierStore:
     def __init__(self) -> None:
         self._entries: dict[str, bytes] = {}
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes) -> bool:
         self._entries[key] = data
+        return True
 
     def get(self, key: str) -> bytes | None:
         return self._entries.get(key)
@@ -92,8 +97,10 @@ class FileTierStore:
     kind = "disk"
     persistent = True
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.directory = Path(directory)
+        self.max_pending_bytes = max_pending_bytes
+        self._num_pending_bytes = 0
         self.directory.mkdir(parents=True, exist_ok=True)
         # put, not yet published: key -> (its put number, its bytes)
         self._pending: dict[str, tuple[int, bytes]] = {}
@@ -109,11 +116,26 @@ class FileTierStore:
     def path(self, key: str) -> Path:
         return self.directory / f"{key}{SUFFIX}"
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes) -> bool:
+        """Queue data for the writer; False (refused, counted) while the bytes not yet written
+        would pass max_pending_bytes: a disk slower than the spills never grows memory."""
         with self._lock:
+            num_bytes = self._num_pending_bytes + len(data)
+            if self._num_pending_bytes and num_bytes > self.max_pending_bytes:
+                self.num_write_errors += 1
+                return False
+            self._unpend(key)
             self._num_puts += 1
             self._pending[key] = (self._num_puts, data)
+            self._num_pending_bytes += len(data)
             self._ops.put((key, self._num_puts))
+        return True
+
+    def _unpend(self, key: str) -> None:
+        """Forget key's bytes not yet written (the lock held)."""
+        pending = self._pending.pop(key, None)
+        if pending is not None:
+            self._num_pending_bytes -= len(pending[1])
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
@@ -130,7 +152,7 @@ class FileTierStore:
         being written is unlinked (_publish checks under the same lock), so a deleted entry
         (a quarantined block's) cannot come back after a crash."""
         with self._lock:
-            self._pending.pop(key, None)
+            self._unpend(key)
             self.path(key).unlink(missing_ok=True)
 
     def scan(self) -> Iterator[StoredEntry]:
@@ -165,7 +187,8 @@ class FileTierStore:
                     return
                 self._publish(*op)
             except Exception as exc:  # a full disk: the entry is dropped, the writer goes on
-                self.num_write_errors += 1
+                with self._lock:
+                    self.num_write_errors += 1
                 logger.warning("KV tier: could not write entry %s: %s", op, exc)
             finally:
                 self._ops.task_done()
@@ -186,12 +209,12 @@ class FileTierStore:
                     tmp.unlink(missing_ok=True)
                     return
                 os.replace(tmp, self.path(key))
-                del self._pending[key]
+                self._unpend(key)
         except BaseException:
             tmp.unlink(missing_ok=True)
             with self._lock:
                 if self._pending.get(key) is pending:
-                    del self._pending[key]
+                    self._unpend(key)
             raise
 
 

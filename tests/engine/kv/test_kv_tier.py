@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -262,3 +263,24 @@ def test_a_delete_is_on_disk_at_once(tmp_path: Path) -> None:
     store.flush()
     assert list(tmp_path.iterdir()) == []
     store.close()
+
+
+def test_a_writer_behind_refuses_new_entries_instead_of_growing(tmp_path, monkeypatch) -> None:
+    gate = threading.Event()
+    original = Path.write_bytes
+
+    def slow_disk(self, data):
+        assert gate.wait(timeout=10)
+        return original(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", slow_disk)
+    t = KVTier(FileTierStore(tmp_path, max_pending_bytes=100), "fp-1", BS, 1 << 20)
+    assert t.add(NS_A, PROMPT[:4], payload(0))  # nothing pending: taken however large
+    assert not t.add(NS_A, PROMPT[:8], payload(1))  # the writer is behind: refused
+    assert t.num_entries == 1 and t.store.num_write_errors == 1
+    assert t.match(NS_A, PROMPT, 0, 4) == 1
+    gate.set()
+    t.flush()
+    assert t.add(NS_A, PROMPT[:8], payload(1))  # written meanwhile: room again
+    t.close()
+    assert t.load(NS_A, PROMPT, 0, 2) == [payload(0), payload(1)]
