@@ -198,14 +198,20 @@ class GatedStore(MemoryTierStore):
         return super().get(key)
 
 
-def test_with_read_ahead_a_request_waits_for_its_reads_while_others_step() -> None:
+def read_ahead_with_a_in_the_tier():
+    """A scheduler whose tier reads on a reader thread through a gated store, A's blocks in
+    the tier only, and the gate shut (reads hang until the test opens it)."""
     store = GatedStore()
     tier = KVTier(store, "fp", BLOCK_SIZE, 1 << 20, read_ahead=True)
     scheduler, runner = make_scheduler(num_blocks=8, enable_prefix_cache=True, tier=tier)
-    kv = scheduler.kv_cache_manager
     serve(scheduler, runner, "a1", PROMPT_A)
     serve(scheduler, runner, "b", PROMPT_B)
-    store.gate.clear()  # reads hang until opened
+    store.gate.clear()
+    return scheduler, runner, store, scheduler.kv_cache_manager
+
+
+def test_with_read_ahead_a_request_waits_for_its_reads_while_others_step() -> None:
+    scheduler, runner, store, kv = read_ahead_with_a_in_the_tier()
     scheduler.add_request(EngineRequest("a2", PROMPT_A, params(max_tokens=2)))
     scheduler.add_request(EngineRequest("x", [60, 61, 62], params(max_tokens=2)))
     step(scheduler, runner)
@@ -222,13 +228,7 @@ def test_with_read_ahead_a_request_waits_for_its_reads_while_others_step() -> No
 
 
 def test_with_read_ahead_an_abort_while_reading_leaves_nothing() -> None:
-    store = GatedStore()
-    tier = KVTier(store, "fp", BLOCK_SIZE, 1 << 20, read_ahead=True)
-    scheduler, runner = make_scheduler(num_blocks=8, enable_prefix_cache=True, tier=tier)
-    kv = scheduler.kv_cache_manager
-    serve(scheduler, runner, "a1", PROMPT_A)
-    serve(scheduler, runner, "b", PROMPT_B)
-    store.gate.clear()
+    scheduler, runner, store, kv = read_ahead_with_a_in_the_tier()
     scheduler.add_request(EngineRequest("a2", PROMPT_A, params(max_tokens=2)))
     step(scheduler, runner)
     assert kv.tier_link.num_reads_in_flight == 1
