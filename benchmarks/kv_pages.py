@@ -32,8 +32,9 @@ FLOAT32, FLOAT16 = 0, 2  # the kernels' dtype codes (engine/runtime/cpu/native.p
 
 def run_layers(library, pool, query, tables, seq_lens, out) -> float:
     """The 30 layers' paged attention of one batch (query, out [B, HEADS, HEAD_DIM]) through
-    `library`'s kvshare_paged_decode on 2 threads; layer i reads K and V from pool[2i], pool[2i + 1]
-    through tables[i] ([B, max_blocks] int32, or [max_blocks] for one sequence). Seconds."""
+    `library`'s kvshare_paged_decode on 2 threads, no window; layer i reads K and V from
+    pool[2i], pool[2i + 1] through tables[i] ([B, max_blocks] int32, or [max_blocks] for one
+    sequence). Seconds."""
     batch, max_blocks = query.shape[0], tables[0].shape[-1]
     started = time.perf_counter()
     for layer in range(LAYERS):
@@ -41,7 +42,7 @@ def run_layers(library, pool, query, tables, seq_lens, out) -> float:
             FLOAT32, FLOAT16, query.data_ptr(), pool[2 * layer].data_ptr(),
             pool[2 * layer + 1].data_ptr(), tables[layer].data_ptr(), seq_lens.data_ptr(),
             out.data_ptr(), batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK, max_blocks,
-            ctypes.c_float(HEAD_DIM**-0.5), 2,
+            ctypes.c_float(HEAD_DIM**-0.5), 2, 0,
         )  # fmt: skip
         assert status == 0, status
     return time.perf_counter() - started

@@ -18,8 +18,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine/runtime/attent
 SCHEDULING_POLICIES = ("fcfs", "longest-prefix-first", "fair-share")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 # none: exact (the oracle for every equality test); native: a GGUF model's blocks as stored
-# (Q4_0/Q4_1/Q8_0/Q4_K/Q6_K kernels, fp32 math); q8_0: Q8_0 blocks made at load; fp16: fp16
-# weights, fp32 math; int8: int8 weights and per-token int8 activations. CPU float32 only
+# (Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K kernels, fp32 math); q8_0: Q8_0 blocks made at load; fp16:
+# fp16 weights, fp32 math; int8: int8 weights and per-token int8 activations. CPU float32 only
 # (engine/runtime/cpu/quant.py).
 QUANTIZATIONS = ("none", "native", "q8_0", "fp16", "int8")
 # The most max_schema_bytes may allow; app/openai/json_schema.py's check_schema refuses larger

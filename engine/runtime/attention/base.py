@@ -64,8 +64,13 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, H, D]
-        """Causal attention of each query token over its sequence's paged context."""
+        """Causal attention of each query token over its sequence's paged context.
+
+        window: a sliding-window layer's width W; a query at position p then sees the keys at
+        positions max(0, p - W + 1) .. p only (the last W, itself included: transformers'
+        sliding_window). None: every position up to p."""
         ...
 
     def copy_blocks(
@@ -76,3 +81,13 @@ class AttentionBackend(Protocol):
     ) -> None:
         """Copy-on-write: copy whole blocks src -> dst in every layer (in place)."""
         ...
+
+
+def kernel_window(window: int | None) -> int:
+    """A native or Triton kernel's window argument: the width W, or 0 for none (so a width is
+    never 0); raises ValueError for a width below 1."""
+    if window is None:
+        return 0
+    if window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    return window

@@ -13,11 +13,13 @@ gathering a dense copy of the whole context per layer, which made short chunks o
 is computed the same way whichever chunk, or decode step, it falls in. Measured per layer
 (SmolLM2 shapes, 2 threads): a 512-token first chunk 1.9 ms against 3.8 on SDPA, 16 tokens after
 1,000 cached 0.25 against 0.38 (benchmarks/README.md, "Prefill attention in the paged kernel").
-KV stores and block copies stay on the torch path.
+A sliding window (Gemma 3's local layers) runs there too: every row, decode or chunk query, sees
+the last `window` positions of its own context. KV stores and block copies stay on the torch
+path.
 
-No compiler, a failed build, or a shape/dtype the kernel does not cover (float16, head dims
-other than 64/128, more than 8 query heads per KV head) all fall back to the torch path, so
-results never depend on it.
+No compiler, a failed build, or a shape/dtype the kernel does not cover (float16 activations, head
+dims other than 64/128/256, more than 8 query heads per KV head, groups other than 1/2/4/8 at
+256: kvshare_supports_shape) all fall back to the torch path, so results never depend on it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 import torch
 
 from engine.core.intmath import cdiv
-from engine.runtime.attention.base import AttentionMetadata
+from engine.runtime.attention.base import AttentionMetadata, kernel_window
 from engine.runtime.attention.torch_ref import TorchRefBackend
 from engine.runtime.cpu.native import DTYPE_CODES, cache_dtype_code, load_library
 
@@ -65,6 +67,7 @@ class CpuNativeBackend(TorchRefBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = query.shape
         step = self._step_tables(meta, num_seqs)
@@ -77,7 +80,7 @@ class CpuNativeBackend(TorchRefBackend):
                 step.max_block_id,
             )  # fmt: skip
         if not (covered and k_cache.is_contiguous() and v_cache.is_contiguous()):
-            return super()._decode(query, k_cache, v_cache, meta, scale)
+            return super()._decode(query, k_cache, v_cache, meta, scale, window)
         query = query.contiguous()
         out = torch.empty_like(query)
         status = self._decode_fn(
@@ -97,6 +100,7 @@ class CpuNativeBackend(TorchRefBackend):
             step.block_tables.shape[1],
             scale,
             torch.get_num_threads(),
+            kernel_window(window),
         )
         if status != 0:
             raise RuntimeError(f"native paged decode failed with status {status}")
@@ -110,15 +114,17 @@ class CpuNativeBackend(TorchRefBackend):
         block_table: torch.Tensor,  # [max_blocks]
         seq_len: int,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """A chunk as n decode queries: query i at position start + i sees seq_len
-        start + i + 1 through the sequence's own blocks (causal by construction)."""
+        start + i + 1 through the sequence's own blocks (causal by construction), and with a
+        window the last `window` of those positions, as a decode query there would."""
         num_queries, num_heads, head_dim = query.shape
         start = seq_len - num_queries
         num_blocks = cdiv(seq_len, k_cache.shape[1])
         table = block_table[:num_blocks]
         if not self._covers_chunk(query, k_cache, v_cache, table, seq_len):
-            return super()._prefill(query, k_cache, v_cache, block_table, seq_len, scale)
+            return super()._prefill(query, k_cache, v_cache, block_table, seq_len, scale, window)
         tables = table.to(torch.int32)[None].expand(num_queries, num_blocks).contiguous()
         seq_lens = torch.arange(start + 1, seq_len + 1, dtype=torch.int32)  # [n]
         query = query.contiguous()
@@ -128,6 +134,7 @@ class CpuNativeBackend(TorchRefBackend):
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             seq_lens.data_ptr(), out.data_ptr(), num_queries, num_heads, k_cache.shape[2],
             head_dim, k_cache.shape[1], num_blocks, scale, torch.get_num_threads(),
+            kernel_window(window),
         )  # fmt: skip
         if status != 0:
             raise RuntimeError(f"native paged decode failed with status {status}")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.core.intmath import cdiv
-from engine.runtime.attention.base import AttentionMetadata
+from engine.runtime.attention.base import AttentionMetadata, kernel_window
 
 
 class TorchRefBackend:
@@ -42,14 +42,19 @@ class TorchRefBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Causal attention of every query over its own sequence's paged context: [T, H, D]."""
+        """Causal attention of every query over its own sequence's paged context: [T, H, D];
+        with a window, over the last `window` positions of it (AttentionBackend.forward)."""
+        kernel_window(window)  # refuses a width below 1 (0 would mask every key: NaN rows)
         num_decodes = meta.num_decodes
         if num_decodes == meta.num_seqs:  # decode-only: no output buffer to copy into
-            return self._decode(query, k_cache, v_cache, meta, scale)
+            return self._decode(query, k_cache, v_cache, meta, scale, window)
         output = torch.empty_like(query)
         if num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], k_cache, v_cache, meta, scale)
+            output[:num_decodes] = self._decode(
+                query[:num_decodes], k_cache, v_cache, meta, scale, window
+            )
         for i in range(num_decodes, meta.num_seqs):
             start, end = meta.query_start_loc_host[i], meta.query_start_loc_host[i + 1]
             output[start:end] = self._prefill(
@@ -59,6 +64,7 @@ class TorchRefBackend:
                 meta.block_tables[i],
                 meta.seq_lens_host[i],
                 scale,
+                window,
             )
         return output
 
@@ -80,6 +86,7 @@ class TorchRefBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         num_seqs, num_heads, head_dim = query.shape
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -92,6 +99,8 @@ class TorchRefBackend:
         # Padding slots past seq_len (and blocks past a table's end) are masked out.
         positions = torch.arange(max_len, device=query.device)
         mask = positions[None, :] < meta.seq_lens[:num_seqs, None]  # [B, L]
+        if window is not None:  # and the positions before each sequence's last `window`
+            mask &= positions[None, :] >= meta.seq_lens[:num_seqs, None] - window
         # GQA without copying K/V: the `group` query heads sharing a KV head become its queries.
         q = query.view(num_seqs, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
         out = F.scaled_dot_product_attention(
@@ -107,6 +116,7 @@ class TorchRefBackend:
         block_table: torch.Tensor,  # [max_blocks]
         seq_len: int,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         num_queries = query.shape[0]
         block_size = k_cache.shape[1]
@@ -116,12 +126,16 @@ class TorchRefBackend:
         values = _gather(v_cache, table, seq_len).to(query.dtype)
         q = query.transpose(0, 1)[None]  # [1, H, n, D]
         start = seq_len - num_queries
-        if start == 0:
+        if start == 0 and window is None:
             mask, is_causal = None, True
         else:
-            # Query i sits at position start + i and sees keys 0..start + i.
+            # Query i sits at position start + i and sees keys 0..start + i (with a window,
+            # start + i - window + 1..start + i).
             rows = torch.arange(num_queries, device=query.device)[:, None] + start
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= rows  # [n, S]
+            keys_at = torch.arange(seq_len, device=query.device)[None, :]
+            mask = keys_at <= rows  # [n, S]
+            if window is not None:
+                mask &= keys_at > rows - window
             is_causal = False
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True

@@ -2,6 +2,7 @@
 
 Decodes (the first num_decodes sequences, one token each) go to the split-K decode kernel;
 prefill chunks go to the prefill kernel, which attends to the cached prefix plus the chunk.
+A sliding-window layer's kernels read only the keys inside its window.
 On the CPU it runs only under TRITON_INTERPRET=1 (the tests), and slowly.
 """
 
@@ -50,20 +51,23 @@ class TritonBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.num_decodes > 0:
+            # a decode token sees at most `window` keys: split those, not the whole context
+            max_visible = meta.max_seq_len if window is None else min(meta.max_seq_len, window)
             num_splits = self.num_splits or self.choose_num_splits(
-                meta.num_decodes, k_cache.shape[2], meta.max_seq_len, query.device
+                meta.num_decodes, k_cache.shape[2], max_visible, query.device
             )
             triton_kernels.paged_decode(
                 query, k_cache, v_cache, meta.block_tables, meta.seq_lens, out,
-                meta.num_decodes, scale, num_splits,
+                meta.num_decodes, scale, num_splits, window,
             )  # fmt: skip
         if meta.num_seqs > meta.num_decodes:
             triton_kernels.paged_prefill(
                 query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                out, meta.num_decodes, meta.max_query_len, scale,
+                out, meta.num_decodes, meta.max_query_len, scale, window,
             )  # fmt: skip
         return out
 

@@ -7,6 +7,8 @@ the pool through the block table: nothing is gathered into a contiguous tensor.
 The attention kernels pack the G = H // Hkv query heads that share one KV head into the rows
 of one tile ("rows" = query token x head in group), so each K/V tile is loaded once per group.
 Softmax runs online in fp32, in base 2 (scores are pre-multiplied by scale * log2(e)).
+A sliding window (kernel argument `window`, 0 = none) starts each key loop at the first key
+any row of the program sees, so a local layer reads about W keys however long the context.
 
 Compiles with Triton 3.6 (the GPU image) and 3.9. Under TRITON_INTERPRET=1 they also run on
 the CPU (the tests), if triton is imported after the variable is set: triton.jit picks the
@@ -21,18 +23,28 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.runtime.attention.base import kernel_window
+
 # Whether the kernels below were built for the interpreter (triton.jit reads the variable once,
 # when it decorates). The interpreter computes bf16 dots on raw bits, so dots are done in fp32.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 LOG2E = 1.4426950408889634
-_ATTENTION_ROWS = 64  # rows (query token x head in group) per prefill tile
-_TILE_N = 64  # keys per inner-loop step; any block size, tiles may straddle blocks
+_ATTENTION_ROWS = 64  # rows (query token x head in group) per prefill tile, at D <= 128
+_TILE_N = 64  # keys per inner-loop step at D <= 128; any block size, tiles may straddle blocks
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16 on GPUs
+# Wider heads take proportionally fewer rows and keys per tile, so a tile's registers and
+# shared memory stay what they are at D = 128 (Gemma 3's D = 256 would double them).
+_TILE_HEAD_DIM = 128
 
 
 def pow2_at_least(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(n))
+
+
+def _tile_size_for(size: int, d_pad: int) -> int:
+    """`size` rows or keys at D <= 128, scaled down for wider (padded) head dims."""
+    return max(_MIN_DOT, size * _TILE_HEAD_DIM // max(d_pad, _TILE_HEAD_DIM))
 
 
 def _dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -50,10 +62,17 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _first_visible(pos, window):
+    """The first key position a query at `pos` sees (window 0: no window, key 0)."""
+    return tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+
+
+@triton.jit
 def _attend(
     q,  # [ROWS, D_PAD], zero in padded rows and dims
     q_pos,  # [ROWS] absolute position of each row's token: it sees keys 0..q_pos
     kv_start, kv_end,  # key range [kv_start, kv_end) of this program
+    window,  # > 0: a row sees only keys q_pos - window + 1 .. q_pos
     k_cache_ptr, v_cache_ptr, block_table_ptr,  # block_table_ptr: this sequence's row
     kv_head, stride_cache_block, stride_cache_slot, stride_cache_head, head_dim, scale_log2,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr,
@@ -80,7 +99,8 @@ def _attend(
         v = tl.load(v_cache_ptr + rows_at[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         # k, v: [TILE_N, D_PAD]; s: [ROWS, TILE_N]
         s = _dot(q, tl.trans(k), DOT_FP32) * scale_log2
-        visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
+        in_window = (window == 0) | (n[None, :] > q_pos[:, None] - window)
+        visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None]) & in_window
         s = tl.where(visible, s, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(s, 1))
         alpha = tl.exp2(row_max - new_max)  # rescales what was summed under the old max
@@ -97,7 +117,7 @@ def _decode_kernel(
     out_ptr, partial_out_ptr, partial_lse_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cache_block, stride_cache_slot, stride_cache_head,
-    num_heads, group_size, head_dim, num_splits, scale_log2,
+    num_heads, group_size, head_dim, num_splits, window, scale_log2,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, D_PAD: tl.constexpr,
     TILE_N: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
@@ -106,9 +126,11 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Slices are whole tiles; they come from the device seq_len, so any num_splits is correct.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
-    kv_start = split * split_len
+    # The slices cut the visible keys [kv_lo, seq_len) into whole tiles; they come from the
+    # device seq_len, so any num_splits is correct (surplus slices are empty).
+    kv_lo = _first_visible(seq_len - 1, window)
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_lo, num_splits), TILE_N) * TILE_N
+    kv_start = kv_lo + split * split_len
     kv_end = tl.minimum(kv_start + split_len, seq_len)
 
     rows = tl.arange(0, ROWS)  # row = head within the group
@@ -119,7 +141,8 @@ def _decode_kernel(
                 mask=mask, other=0.0)  # fmt: skip
     q_pos = tl.zeros([ROWS], dtype=tl.int32) + seq_len - 1
     acc, row_max, row_sum = _attend(
-        q, q_pos, kv_start, kv_end, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
+        q, q_pos, kv_start, kv_end, window,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
         kv_head, stride_cache_block, stride_cache_slot, stride_cache_head, head_dim, scale_log2,
         BLOCK_SIZE, ROWS, D_PAD, TILE_N, DOT_FP32,
     )  # fmt: skip
@@ -172,12 +195,13 @@ def paged_decode(
     num_decodes: int,
     scale: float,
     num_splits: int = 1,
+    window: int | None = None,
 ) -> None:
     """One query token per sequence for the first num_decodes sequences (token i = seq i).
 
-    With num_splits > 1 each (sequence, KV head) context is cut into num_splits slices of
-    whole tiles, attended in parallel, then merged by a log-sum-exp reduce kernel. The result
-    does not depend on num_splits beyond rounding.
+    With num_splits > 1 each (sequence, KV head) context, the keys the window leaves visible,
+    is cut into num_splits slices of whole tiles, attended in parallel, then merged by a
+    log-sum-exp reduce kernel. The result does not depend on num_splits beyond rounding.
     """
     if num_decodes == 0:
         return
@@ -198,9 +222,9 @@ def paged_decode(
         query, k_cache, v_cache, block_tables, seq_lens, out, partial_out, partial_lse,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_heads, group_size, head_dim, num_splits, scale * LOG2E,
+        num_heads, group_size, head_dim, num_splits, kernel_window(window), scale * LOG2E,
         BLOCK_SIZE=k_cache.shape[1], ROWS=pow2_at_least(group_size, _MIN_DOT), D_PAD=d_pad,
-        TILE_N=_TILE_N, SPLIT=is_split, DOT_FP32=_dot_in_fp32(query.dtype),
+        TILE_N=_tile_size_for(_TILE_N, d_pad), SPLIT=is_split, DOT_FP32=_dot_in_fp32(query.dtype),
     )  # fmt: skip
     if is_split:
         _reduce_splits_kernel[(num_decodes, num_heads)](
@@ -216,7 +240,7 @@ def _prefill_kernel(
     out_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_cache_block, stride_cache_slot, stride_cache_head,
-    num_decodes, group_size, head_dim, scale_log2,
+    num_decodes, group_size, head_dim, window, scale_log2,
     BLOCK_SIZE: tl.constexpr, G_PAD: tl.constexpr, TOKENS: tl.constexpr, D_PAD: tl.constexpr,
     TILE_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
@@ -240,11 +264,12 @@ def _prefill_kernel(
     tokens = (q_start + q_idx).to(tl.int64)
     q = tl.load(query_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
                 + dims[None, :], mask=mask, other=0.0)  # fmt: skip
-    # causal: the tile's last token sees keys up to cached_len + first + TOKENS - 1
+    # the tile's first token sees the furthest back; its last (causal) up to the tile's end
+    kv_start = _first_visible(cached_len + first, window)
     kv_end = tl.minimum(seq_len, cached_len + first + TOKENS)
     acc, _, row_sum = _attend(
-        q, cached_len + q_idx, 0, kv_end, k_cache_ptr, v_cache_ptr,
-        block_tables_ptr + seq * stride_bt,
+        q, cached_len + q_idx, kv_start, kv_end, window,
+        k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt,
         kv_head, stride_cache_block, stride_cache_slot, stride_cache_head, head_dim, scale_log2,
         BLOCK_SIZE, TOKENS * G_PAD, D_PAD, TILE_N, DOT_FP32,
     )  # fmt: skip
@@ -264,8 +289,10 @@ def paged_prefill(
     num_decodes: int,
     max_query_len: int,
     scale: float,
+    window: int | None = None,
 ) -> None:
-    """Sequences num_decodes..B-1: each new token attends causally to its cached prefix + chunk.
+    """Sequences num_decodes..B-1: each new token attends causally to its cached prefix + chunk
+    (within the window, if any: see AttentionBackend.forward).
 
     The chunk's own K/V must already be in the pool (store_kv runs first). max_query_len only
     sizes the grid (tiles past a sequence's chunk return at once), so an upper bound works.
@@ -278,16 +305,16 @@ def paged_prefill(
     num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
     g_pad = pow2_at_least(group_size)
-    tokens_per_tile = max(_ATTENTION_ROWS // g_pad, 1)  # rows = tokens x g_pad >= 16
+    d_pad = pow2_at_least(head_dim, _MIN_DOT)
+    tokens_per_tile = max(_tile_size_for(_ATTENTION_ROWS, d_pad) // g_pad, 1)  # rows >= 16
     grid = (num_prefills, triton.cdiv(max_query_len, tokens_per_tile), num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_decodes, group_size, head_dim, scale * LOG2E,
-        BLOCK_SIZE=k_cache.shape[1], G_PAD=g_pad, TOKENS=tokens_per_tile,
-        D_PAD=pow2_at_least(head_dim, _MIN_DOT), TILE_N=_TILE_N,
-        DOT_FP32=_dot_in_fp32(query.dtype),
+        num_decodes, group_size, head_dim, kernel_window(window), scale * LOG2E,
+        BLOCK_SIZE=k_cache.shape[1], G_PAD=g_pad, TOKENS=tokens_per_tile, D_PAD=d_pad,
+        TILE_N=_tile_size_for(_TILE_N, d_pad), DOT_FP32=_dot_in_fp32(query.dtype),
     )  # fmt: skip
 
 

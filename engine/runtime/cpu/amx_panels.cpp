@@ -141,7 +141,7 @@ void expand_panels_bf16(const uint8_t* weight, int64_t p, int num, int groups, u
     for (int line = 0; line < P::kBytes; line += 64)
       __builtin_prefetch(block + kPrefetchBytes + line, 0, 3);
     for (int j = 0; j < P::kSteps; ++j)
-      _mm512_store_si512(tiles + i * 512 + 32 * j, P::pairs(block + P::kCodes, j));
+      _mm512_store_si512(tiles + i * 512 + 32 * j, P::pairs(block, j));
   });
 }
 

@@ -24,13 +24,13 @@ namespace kvshare {
 // 47 MB Q4_1 matrix, 1 thread, AMD EPYC Zen 4; 2048 beat 512 and 1024, noisy).
 constexpr int64_t kPrefetchBytes = 2048;
 
-// Panels: the same Q4_0, Q4_1 and Q8_0 blocks reordered at load so that one 32-weight group of
-// kPanel consecutive output columns lies together (engine/runtime/cpu/block_linear.py, to_panels):
-// the columns' fp16 scales (and Q4_1's minimums) as kPanel-wide arrays, then the code bytes
-// transposed, so code byte j of all kPanel columns is one 16-byte row. The bytes are those of the
-// GGUF blocks, moved: no size changes. A panel's codes expand to vectors whose lanes are output
-// columns, so each activation is broadcast into one FMA per kPanel weights, with no horizontal
-// sum, and the block scale and minimum leave the inner loop:
+// Panels: the same Q4_0, Q4_1, Q5_0 and Q8_0 blocks reordered at load so that one 32-weight
+// group of kPanel consecutive output columns lies together (engine/runtime/cpu/block_linear.py,
+// to_panels): the columns' fp16 scales (and Q4_1's minimums, Q5_0's fifth bits) as kPanel-wide
+// arrays, then the code bytes transposed, so code byte j of all kPanel columns is one 16-byte
+// row. The bytes are those of the GGUF blocks, moved: no size changes. A panel's codes expand to
+// vectors whose lanes are output columns, so each activation is broadcast into one FMA per
+// kPanel weights, with no horizontal sum, and the block scale and minimum leave the inner loop:
 //   sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k   (per 32-weight group)
 // where sum_k x_k is computed once per row and group for all columns. Per output element the
 // order is fixed: two chains (the group's "lo" and "hi" codes) summed in code order, added, times
@@ -95,14 +95,32 @@ class Asker {
   int64_t bytes_ = 0, range_ = 0, end_ = 0, per_step_ = 0, offset_ = 0;
 };
 
-// 4-bit panels: code row j holds, per column, the low nibble (weight j of the group) and the
-// high nibble (weight j + 16), as GGUF's byte j does.
+// A panel format P: P::codes(block, j) is code step j of the group at `block` (kSteps of them),
+// as vectors of the columns' codes for weights lo_k(j) and hi_k(j); scales and mins the
+// columns' d and m. With AVX-512, P::pairs(block, j) is the same step as AMX B pairs of bf16.
+
+#if defined(__AVX512F__)
+// Two code vectors as AMX B pairs (lo, hi) of bf16: codes of at most 8 bits are exact in bf16,
+// their float's top half.
+inline __m512i bf16_pairs(Codes w) {
+  return _mm512_or_si512(_mm512_srli_epi32(reinterpret_cast<__m512i>(w.lo), 16),
+                         reinterpret_cast<__m512i>(w.hi));
+}
+#endif
+
+// Panels of nibbles (Q4_0, Q4_1; Q5_0's low four bits): kHead bytes per column (the fp16 fields,
+// Q5_0's fifth bits) before the codes; code row j holds, per column, the low nibble (weight j of
+// the group) and the high nibble (weight j + 16), as GGUF's byte j does.
+template <int kHead>
 struct NibblePanel {
-  static constexpr int kSteps = 16;
+  static constexpr int kBytes = (kHead + 16) * kPanel, kCodes = kHead * kPanel, kSteps = 16;
   static int lo_k(int j) { return j; }
   static int hi_k(int j) { return j + 16; }
-  static Codes codes(const uint8_t* rows, int j) {
-    const vint v = widen_int(rows + kPanel * j);
+  static vint nibbles(const uint8_t* block, int j) {
+    return widen_int(block + kCodes + kPanel * j);
+  }
+  static Codes codes(const uint8_t* block, int j) {
+    const vint v = nibbles(block, j);
 #if defined(__AVX512F__)
     // A nibble's float by lane permutation of the table 0..15: vpermps reads only the low four
     // bits of each index, so the low nibble needs no mask and neither needs a conversion (the
@@ -121,8 +139,9 @@ struct NibblePanel {
   // Code row j as AMX B pairs (lo, hi) of bf16, by table: bf16 of 0..15 in the low half of each
   // lane for the low nibble, in the high half for the high one (vpermd reads an index's low 4
   // bits, so the low nibble needs no mask).
-  static __m512i pairs(const uint8_t* rows, int j) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + kPanel * j));
+  static __m512i pairs(const uint8_t* block, int j) {
+    const __m128i bytes =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kCodes + kPanel * j));
     const __m512i v = _mm512_cvtepu8_epi32(bytes);
     const __m512i lo = _mm512_setr_epi32(0, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0,
                                          0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150,
@@ -135,19 +154,37 @@ struct NibblePanel {
 };
 
 // Q4_0 panel: d[16], codes[16][16]; w = d q - 8 d.
-struct PanelQ4_0 : NibblePanel {
-  static constexpr int kBytes = 18 * kPanel, kCodes = 2 * kPanel;
+struct PanelQ4_0 : NibblePanel<2> {
   static constexpr bool kHasMin = true;
   static vfloat scales(const uint8_t* b) { return halves(b); }
   static vfloat mins(const uint8_t* b) { return halves(b) * -8.f; }
 };
 
 // Q4_1 panel: d[16], m[16], codes[16][16]; w = d q + m.
-struct PanelQ4_1 : NibblePanel {
-  static constexpr int kBytes = 20 * kPanel, kCodes = 4 * kPanel;
+struct PanelQ4_1 : NibblePanel<4> {
   static constexpr bool kHasMin = true;
   static vfloat scales(const uint8_t* b) { return halves(b); }
   static vfloat mins(const uint8_t* b) { return halves(b + 2 * kPanel); }
+};
+
+// Q5_0 panel: d[16], fifth[16] (a column's 32 fifth bits, uint32: bit k is weight k's),
+// codes[16][16] as Q4_0's; q = nibble | fifth bit << 4, w = d q - 16 d.
+struct PanelQ5_0 : NibblePanel<6> {
+  static constexpr bool kHasMin = true;
+  static vfloat scales(const uint8_t* b) { return halves(b); }
+  static vfloat mins(const uint8_t* b) { return halves(b) * -16.f; }
+  static Codes codes(const uint8_t* block, int j) {
+    const vint v = nibbles(block, j);
+    vuint fifth;
+    std::memcpy(&fifth, block + 2 * kPanel, sizeof(fifth));
+    // Bit j (the low nibble's weight) and bit j + 16 (the high nibble's) moved to bit 4.
+    const vint lo = bitcast<vint>(((fifth << 4) >> j) & 16u);
+    const vint hi = bitcast<vint>((fifth >> (j + 12)) & 16u);
+    return {to_float((v & 15) | lo), to_float((v >> 4) | hi)};
+  }
+#if defined(__AVX512F__)
+  static __m512i pairs(const uint8_t* block, int j) { return bf16_pairs(codes(block, j)); }
+#endif
 };
 
 // Q8_0 panel: d[16], codes[32][16] (row k: weight k of each column, int8); w = d q. The two
@@ -159,18 +196,13 @@ struct PanelQ8_0 {
   static int hi_k(int j) { return 2 * j + 1; }
   static vfloat scales(const uint8_t* b) { return halves(b); }
   static vfloat mins(const uint8_t*) { return vfloat{}; }
-  static Codes codes(const uint8_t* rows, int j) {
-    const int8_t* p = reinterpret_cast<const int8_t*>(rows + 2 * kPanel * j);
+  static Codes codes(const uint8_t* block, int j) {
+    const int8_t* p = reinterpret_cast<const int8_t*>(block + kCodes + 2 * kPanel * j);
     return {widen(p), widen(p + kPanel)};
   }
 #if defined(__AVX512F__)
-  // Code rows 2j and 2j + 1 as AMX B pairs of bf16 (an int8 is exact in bf16: its float's top
-  // half).
-  static __m512i pairs(const uint8_t* rows, int j) {
-    const Codes w = codes(rows, j);
-    return _mm512_or_si512(_mm512_srli_epi32(reinterpret_cast<__m512i>(w.lo), 16),
-                           reinterpret_cast<__m512i>(w.hi));
-  }
+  // Code rows 2j and 2j + 1 (an int8 is exact in bf16).
+  static __m512i pairs(const uint8_t* block, int j) { return bf16_pairs(codes(block, j)); }
 #endif
 };
 
@@ -180,6 +212,7 @@ int with_panel_format(int format, Run&& run) {
   switch (format) {
     case kPanelCode + kQ4_0: return run(PanelQ4_0{});
     case kPanelCode + kQ4_1: return run(PanelQ4_1{});
+    case kPanelCode + kQ5_0: return run(PanelQ5_0{});
     case kPanelCode + kQ8_0: return run(PanelQ8_0{});
     default: return 1;
   }
@@ -219,7 +252,7 @@ void panel_tile(const float* x, const float* sums, const uint8_t* weight, float*
         const vfloat* codes = expanded + int64_t{g} * 2 * P::kSteps + 2 * j;
         w = {codes[0], codes[1]};
       } else {
-        w = P::codes(block + P::kCodes, j);
+        w = P::codes(block, j);
       }
 #pragma GCC unroll 4
       for (int r = 0; r < kRows; ++r) {

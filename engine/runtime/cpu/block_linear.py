@@ -1,10 +1,10 @@
 """Weights kept in GGUF block formats and computed as stored (engine/runtime/cpu/block_linear.cpp).
 
-A GGUF file stores each weight row as blocks: Q4_0, Q4_1 and Q8_0 hold 32 weights a block (an
-fp16 scale, a minimum for Q4_1, and 4- or 8-bit codes), Q4_K and Q6_K 256 a super-block. The
-dequantized tensor is what the exact mode (quantization none) computes on; BlockLinear computes
-the same product from the blocks (each group expanded in registers, fp32 activations and
-sums), so it is F.linear on those weights up to summation order, at a sixth to a quarter of
+A GGUF file stores each weight row as blocks: Q4_0, Q4_1, Q5_0 and Q8_0 hold 32 weights a block
+(an fp16 scale, a minimum for Q4_1, and 4-, 5- or 8-bit codes), Q4_K and Q6_K 256 a super-block.
+The dequantized tensor is what the exact mode (quantization none) computes on; BlockLinear
+computes the same product from the blocks (each group expanded in registers, fp32 activations
+and sums), so it is F.linear on those weights up to summation order, at a sixth to a quarter of
 fp32's bytes. A row's output does not depend on the other rows of the batch.
 
 Module names stay those of the layers they replace: BlockLinear for a projection or the LM head,
@@ -26,14 +26,17 @@ from torch import nn
 BLOCK_FORMATS: dict[str, tuple[int, int, int]] = {
     "Q4_0": (2, 32, 18),
     "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
     "Q8_0": (8, 32, 34),
     "Q4_K": (12, 256, 144),
     "Q6_K": (14, 256, 210),
 }
 FORMAT_NAMES = {code: name for name, (code, _, _) in BLOCK_FORMATS.items()}
-# Formats the block kernels also compute as panels, with the fp16 fields at the head of each
-# block (scale, then Q4_1's minimum); a panel format's kernel code is PANEL_CODE + GGML's number.
-PANEL_FORMATS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1}
+# Formats the block kernels also compute as panels, with the byte widths of the fields at the
+# head of each block (the fp16 scale, then Q4_1's fp16 minimum or Q5_0's 32 fifth bits), which a
+# panel keeps whole per row; the code bytes after them are transposed. A panel format's kernel
+# code is PANEL_CODE + GGML's number.
+PANEL_FORMATS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2, 4), "Q8_0": (2,)}
 PANEL_CODE = 100
 PANEL_COLUMNS = 16  # output columns per panel: the kernels' vector lanes
 
@@ -79,19 +82,22 @@ class BlockWeight:
 def to_panels(weight: BlockWeight) -> BlockWeight:
     """weight's blocks reordered as the panel kernels read them, when its format has them and
     its rows come in whole panels; otherwise weight itself. Per 32-weight group of each panel
-    of 16 rows: the rows' fp16 scales side by side (and Q4_1's minimums), then the code bytes
-    transposed ([code byte][row]). A permutation of the same bytes: nothing is rounded."""
-    halves = PANEL_FORMATS.get(weight.format)
-    if halves is None or weight.layout != "rows" or weight.out_features % PANEL_COLUMNS:
+    of 16 rows: each head field of the 16 rows side by side (the fp16 scales, then Q4_1's
+    minimums or Q5_0's fifth bits), then the code bytes transposed ([code byte][row]). A
+    permutation of the same bytes: nothing is rounded."""
+    fields = PANEL_FORMATS.get(weight.format)
+    if fields is None or weight.layout != "rows" or weight.out_features % PANEL_COLUMNS:
         return weight
     _, per_block, size = BLOCK_FORMATS[weight.format]
     groups = weight.in_features // per_block
     # [panels, 16 rows, groups, block bytes] -> [panels, groups, 16 rows, block bytes]
     blocks = weight.data.view(-1, PANEL_COLUMNS, groups, size).transpose(1, 2)
-    head = blocks[..., : 2 * halves].unflatten(-1, (halves, 2)).transpose(-3, -2)
-    codes = blocks[..., 2 * halves :].transpose(-2, -1)
-    panels = torch.cat([head.flatten(-3), codes.flatten(-2)], dim=-1)
-    data = panels.reshape(weight.out_features, groups * size).contiguous()
+    parts, start = [], 0
+    for width in fields:  # [panels, groups, 16 rows x width]
+        parts.append(blocks[..., start : start + width].flatten(-2))
+        start += width
+    parts.append(blocks[..., start:].transpose(-2, -1).flatten(-2))  # [.., code byte x 16 rows]
+    data = torch.cat(parts, dim=-1).reshape(weight.out_features, groups * size).contiguous()
     return BlockWeight(weight.format, data, weight.in_features, "panels")
 
 
@@ -99,13 +105,16 @@ def to_rows(weight: BlockWeight) -> BlockWeight:
     """The GGUF row order of a weight in either layout (to_panels undone)."""
     if weight.layout == "rows":
         return weight
-    halves = PANEL_FORMATS[weight.format]
     _, per_block, size = BLOCK_FORMATS[weight.format]
     groups = weight.in_features // per_block
     panels = weight.data.view(-1, groups, PANEL_COLUMNS * size)
-    head = panels[..., : PANEL_COLUMNS * 2 * halves].unflatten(-1, (halves, PANEL_COLUMNS, 2))
-    codes = panels[..., PANEL_COLUMNS * 2 * halves :].unflatten(-1, (-1, PANEL_COLUMNS))
-    blocks = torch.cat([head.transpose(-3, -2).flatten(-2), codes.transpose(-2, -1)], dim=-1)
+    parts, start = [], 0
+    for width in PANEL_FORMATS[weight.format]:  # [panels, groups, 16 rows, width]
+        end = start + PANEL_COLUMNS * width
+        parts.append(panels[..., start:end].unflatten(-1, (PANEL_COLUMNS, width)))
+        start = end
+    parts.append(panels[..., start:].unflatten(-1, (-1, PANEL_COLUMNS)).transpose(-2, -1))
+    blocks = torch.cat(parts, dim=-1)  # [panels, groups, 16 rows, block bytes]
     data = blocks.transpose(1, 2).reshape(weight.out_features, groups * size).contiguous()
     return BlockWeight(weight.format, data, weight.in_features)
 

@@ -1,6 +1,6 @@
 // Linear layers on GGUF block-quantized weights with fp32 activations: y [N, V] = x [N, K] W^T
-// where each row of W [V, K] is stored as GGUF blocks (Q4_0, Q4_1, Q8_0: 32 weights a block;
-// Q4_K, Q6_K: 256 weights a super-block of eight 32-weight groups).
+// where each row of W [V, K] is stored as GGUF blocks (Q4_0, Q4_1, Q5_0, Q8_0: 32 weights a
+// block; Q4_K, Q6_K: 256 weights a super-block of eight 32-weight groups).
 //
 // Each 32-weight group is expanded in registers to two vectors of 16 fp32 weights, exactly as
 // GGUF dequantizes it (scale * code, plus the block minimum where the format has one), and
@@ -56,6 +56,31 @@ struct Q4_1 {
     const vfloat d = splat(half(block)), m = splat(half(block + 2));
     const vbyte q = load_bytes(block + 4);
     return {to_float(q & 15) * d + m, to_float(q >> 4) * d + m};
+  }
+};
+
+// Lane numbers 0..15.
+inline vuint lane_numbers() {
+  uint32_t numbers[kLanes];
+  for (int i = 0; i < kLanes; ++i) numbers[i] = static_cast<uint32_t>(i);
+  vuint v;
+  std::memcpy(&v, numbers, sizeof(v));
+  return v;
+}
+
+// Q5_0: fp16 d, 4 bytes of fifth bits (a little-endian uint32: bit k is weight k's), 16 bytes of
+// nibbles as Q4_0's; q = nibble | fifth bit << 4, w = (q - 16) * d.
+struct Q5_0 {
+  static constexpr int kBlockBytes = 22, kGroups = 1;
+  static Group expand(const uint8_t* block, int) {
+    const vfloat d = splat(half(block));
+    uint32_t bits;
+    std::memcpy(&bits, block + 2, sizeof(bits));
+    const vuint fifth = (vuint{} + bits) >> lane_numbers();  // lane k: bits >> k
+    const vint q = widen_int(block + 6);
+    const vint lo = (q & 15) | bitcast<vint>((fifth << 4) & 16u);
+    const vint hi = (q >> 4) | bitcast<vint>((fifth >> 12) & 16u);
+    return {(to_float(lo) - 16.f) * d, (to_float(hi) - 16.f) * d};
   }
 };
 
@@ -216,6 +241,7 @@ int with_format(int format, Run&& run) {
   switch (format) {
     case kQ4_0: return run(Q4_0{});
     case kQ4_1: return run(Q4_1{});
+    case kQ5_0: return run(Q5_0{});
     case kQ8_0: return run(Q8_0{});
     case kQ4_K: return run(Q4_K{});
     case kQ6_K: return run(Q6_K{});

@@ -81,7 +81,7 @@ int attend_and_project(const Dims& d, const Layer& w, const int32_t* formats, co
   const int status = kvshare_paged_decode_warm(
       kFloat32, static_cast<int>(d.kv_dtype), b.q, w.k_cache, w.v_cache, block_tables, seq_lens,
       b.attn, rows, d.heads, d.kv_heads, d.head_dim, d.block_size, d.max_blocks, scale, threads,
-      warm);
+      warm, /*window=*/0);
   if (status) return 20 + status;
   return kvshare_block_linear_rows(formats[1], b.attn, w.o, b.delta, rows, q_width, E, threads,
                                    b.tile_rows);

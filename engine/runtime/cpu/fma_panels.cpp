@@ -1,7 +1,7 @@
-// Linear layers on panels (block_kernels.h: the Q4_0, Q4_1 and Q8_0 blocks reordered so that
-// a vector's lanes are 16 output columns) computed on the FMAs: each thread a contiguous run of
-// panels, every row tile over a chunk of kWidePanels of them in turn. amx_panels.cpp computes
-// the same panels on AMX tiles; block_linear.cpp picks which.
+// Linear layers on panels (block_kernels.h: the Q4_0, Q4_1, Q5_0 and Q8_0 blocks reordered so
+// that a vector's lanes are 16 output columns) computed on the FMAs: each thread a contiguous
+// run of panels, every row tile over a chunk of kWidePanels of them in turn. amx_panels.cpp
+// computes the same panels on AMX tiles; block_linear.cpp picks which.
 
 #include <omp.h>
 
@@ -27,7 +27,7 @@ void expand_panels(const uint8_t* weight, int64_t p, int num, int groups, vfloat
   each_group<P>(weight, p, num, groups, [&](int64_t i, const uint8_t* block) {
     vfloat* codes = expanded + i * 2 * P::kSteps;
     for (int j = 0; j < P::kSteps; ++j) {
-      const Codes w = P::codes(block + P::kCodes, j);
+      const Codes w = P::codes(block, j);
       codes[2 * j] = w.lo;
       codes[2 * j + 1] = w.hi;
     }
@@ -105,7 +105,7 @@ void panel_linear(const float* x, const uint8_t* weight, float* out, int rows, i
 }
 
 // Rows `ids` of a panel table (a tied embedding) as GGUF dequantizes them: d q (+ m) per weight,
-// exact in fp32 (a 4- or 8-bit code times an fp16 scale needs at most 19 bits).
+// exact in fp32 (a 4- to 8-bit code times an fp16 scale needs at most 19 bits).
 template <typename P>
 void panel_rows(const uint8_t* table, const int64_t* ids, float* out, int rows, int in_features) {
   const int groups = in_features / 32;
@@ -118,7 +118,7 @@ void panel_rows(const uint8_t* table, const int64_t* ids, float* out, int rows, 
       const uint8_t* block = table + panel * panel_bytes + int64_t{g} * P::kBytes;
       const float d = P::scales(block)[lane], m = P::mins(block)[lane];
       for (int j = 0; j < P::kSteps; ++j) {
-        const Codes w = P::codes(block + P::kCodes, j);
+        const Codes w = P::codes(block, j);
         y[32 * g + P::lo_k(j)] = w.lo[lane] * d + m;
         y[32 * g + P::hi_k(j)] = w.hi[lane] * d + m;
       }

@@ -28,11 +28,12 @@ constexpr int kFloat16 = 2;  // a KV cache's only, under float32 activations
 // Weight format codes: GGML's type numbers of the GGUF block formats (`format` arguments)...
 constexpr int kQ4_0 = 2;
 constexpr int kQ4_1 = 3;
+constexpr int kQ5_0 = 6;
 constexpr int kQ8_0 = 8;
 constexpr int kQ4_K = 12;
 constexpr int kQ6_K = 14;
-// ... and kPanelCode plus one of Q4_0, Q4_1 and Q8_0 for its blocks reordered into panels
-// (engine/runtime/cpu/block_linear.py, to_panels).
+// ... and kPanelCode plus one of Q4_0, Q4_1, Q5_0 and Q8_0 for its blocks reordered into
+// panels (engine/runtime/cpu/block_linear.py, to_panels).
 constexpr int kPanelCode = 100;
 
 // A prompt row's paths (kvshare_prompt_path).
@@ -66,13 +67,15 @@ int kvshare_supports_shape(int head_dim, int group);
 
 // Decode attention, one query token per sequence, K/V read in place through each block table:
 // query [B, H, D], out [B, H, D], k_cache / v_cache [num_blocks, block_size, Hkv, D],
-// block_tables [B, max_blocks] int32, seq_lens [B] int32. 2 for a shape
-// kvshare_supports_shape refuses.
+// block_tables [B, max_blocks] int32, seq_lens [B] int32. window: a sliding window's width, so
+// row b sees positions max(0, seq_lens[b] - window) .. seq_lens[b] - 1; 0: all of them (last, so
+// benchmarks/ab.py's older trees, without it, take the same call). 2 for a shape
+// kvshare_supports_shape refuses or a negative window.
 int kvshare_paged_decode(int dtype, int cache_dtype, const void* query, const void* k_cache,
                          const void* v_cache, const int32_t* block_tables,
                          const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
                          int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                         float scale, int num_threads);
+                         float scale, int num_threads, int window);
 
 // kvshare_paged_decode; warm 1: the caller asked for the K/V ahead (decode_step.cpp), so every
 // row scores in tiles as from cache.
@@ -80,7 +83,7 @@ int kvshare_paged_decode_warm(int dtype, int cache_dtype, const void* query, con
                               const void* v_cache, const int32_t* block_tables,
                               const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
                               int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                              float scale, int num_threads, int warm);
+                              float scale, int num_threads, int warm, int window);
 
 // Each row's argmax (torch.argmax's answer): x float32 [rows, cols] -> out int64 [rows]. 2 when
 // cols is not in 1 .. 2^24 (indices ride in float lanes).

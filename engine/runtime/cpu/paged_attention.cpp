@@ -10,12 +10,14 @@
 //   query [B, H, D], out [B, H, D]
 //   k_cache, v_cache [num_blocks, block_size, Hkv, D]
 //   block_tables [B, max_blocks] int32, seq_lens [B] int32
+// A row sees positions [first, seq_len): first 0, or seq_len - window for a sliding-window
+// layer whose window is shorter than the context.
 // A task is one sequence (or, with few sequences, one of its KV heads). The G = H / Hkv query
 // heads that share a KV head are done together, so each K/V row is read once for all (GQA).
 // Math is fp32 whatever the storage type, in two passes: scores and their softmax, then the
 // weighted sum of V. Vectors have 16 floats whatever the target (vectors.h), so one source
 // serves every level: one AVX-512 register, or two AVX2 (x86-64-v3) or four SSE (x86-64-v2)
-// registers. D must be a multiple of 16.
+// registers. D is 64, 128 or 256.
 
 #include <omp.h>
 
@@ -47,6 +49,7 @@ inline float max(vfloat v) {
 
 struct Shape {
   int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int window;  // a sliding window's width in positions; 0: none
   // The caller asked for the K/V ahead (decode_step.cpp, during the layer before): every row
   // then scores in tiles, as a prefill chunk's later rows do.
   bool warm = false;
@@ -57,25 +60,35 @@ struct Scratch {
   std::vector<float> scores;
 };
 
-// Softmax of each of `rows` score rows, in place; the padding past seq_len gets weight 0.
-void softmax_rows(float* scores, int rows, int seq_len, int padded_len) {
+// The first position a row of context length seq_len sees.
+inline int first_visible(int seq_len, int window) {
+  return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
+// Softmax of each of `rows` score rows over slots [begin, padded_len), in place; begin is a
+// multiple of kLanes. The slots before `first` and the padding past seq_len are masked.
+void softmax_rows(float* scores, int rows, int begin, int first, int seq_len, int padded_len) {
   for (int h = 0; h < rows; ++h) {
     float* row_scores = scores + static_cast<int64_t>(h) * padded_len;
+    for (int t = begin; t < first; ++t) row_scores[t] = -1e30f;
     for (int t = seq_len; t < padded_len; ++t) row_scores[t] = -1e30f;
     vfloat best = splat(-1e30f);
-    for (int t = 0; t < padded_len; t += kLanes) {
+    for (int t = begin; t < padded_len; t += kLanes) {
       const vfloat v = load(row_scores + t);
       best = select(v > best, v, best);
     }
     const float max_score = max(best);
     vfloat total = splat(0.f);
-    for (int t = 0; t < padded_len; t += kLanes) {
-      const vfloat e = exp_nonpositive(load(row_scores + t) - max_score);
+    for (int t = begin; t < padded_len; t += kLanes) {
+      const vfloat x = load(row_scores + t) - max_score;
+      // Weight 0 below e^-87 (where exp_nonpositive stops): a masked slot's is exactly 0, adds
+      // nothing to the total, and a window is full attention with its earlier keys masked.
+      const vfloat e = select(x < -87.f, splat(0.f), exp_nonpositive(x));
       store(e, row_scores + t);
       total += e;
     }
     const float inv_total = 1.f / sum(total);
-    for (int t = 0; t < padded_len; t += kLanes) {
+    for (int t = begin; t < padded_len; t += kLanes) {
       store(load(row_scores + t) * inv_total, row_scores + t);
     }
   }
@@ -192,6 +205,12 @@ void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* t
             Scratch& scratch, T* out) {
   constexpr int kHeadDim = kVecs * kLanes;
   const int padded_len = (seq_len + kLanes - 1) / kLanes * kLanes;
+  // Scores [G, L] keep absolute positions: a window's are written from the block holding its
+  // first position, and its softmax starts at the vector holding that position, so each score
+  // keeps full attention's lane (and a windowed row is full attention's with the rest masked).
+  const int first = first_visible(seq_len, s.window);
+  const int first_block = first / s.block_size;
+  const int softmax_begin = first / kLanes * kLanes;
   const int64_t slot_stride = static_cast<int64_t>(s.num_kv_heads) * kHeadDim;
   const int64_t block_stride = slot_stride * s.block_size;
   float* scores = scratch.scores.data();
@@ -203,7 +222,7 @@ void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* t
     const int64_t first_row = static_cast<int64_t>(kv) * kGroup * kHeadDim;
     const bool ask = cold && ask_step > 0 && kv == kv_begin;
     // The first `lead` blocks of K, and of V (read after all of K).
-    for (int b = 0; ask && b < lead && b * s.block_size < seq_len; ++b) {
+    for (int b = first_block; ask && b < first_block + lead && b * s.block_size < seq_len; ++b) {
       prefetch_rows(k_cache, table[b], kv, ask_step, s, kHeadDim);
       prefetch_rows(v_cache, table[b], kv, ask_step, s, kHeadDim);
     }
@@ -214,7 +233,7 @@ void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* t
         q[g][i] = load(query + first_row + g * kHeadDim + i * kLanes) * scale;
       }
     }
-    for (int start = 0; start < seq_len; start += s.block_size) {
+    for (int start = first_block * s.block_size; start < seq_len; start += s.block_size) {
       const C* k = k_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
       const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
       const int ahead = end + (lead - 1) * s.block_size;
@@ -248,12 +267,14 @@ void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* t
         }
       }
     }
-    softmax_rows(scores, kGroup, seq_len, padded_len);
-    // Pass 2: out [G, D] = sum_t p[g, t] * v[t].
+    softmax_rows(scores, kGroup, softmax_begin, first, seq_len, padded_len);
+    // Pass 2: out [G, D] = sum_t p[g, t] * v[t], over the visible positions only.
     vfloat acc[kGroup][kVecs] = {};
-    for (int start = 0; start < seq_len; start += s.block_size) {
-      const C* v = v_cache + table[start / s.block_size] * block_stride + kv * kHeadDim;
-      const int end = start + s.block_size < seq_len ? start + s.block_size : seq_len;
+    for (int start = first; start < seq_len;) {
+      const int block = start / s.block_size;
+      const C* v = v_cache + table[block] * block_stride + (start % s.block_size) * slot_stride +
+                   kv * kHeadDim;
+      const int end = (block + 1) * s.block_size < seq_len ? (block + 1) * s.block_size : seq_len;
       const int ahead = end + (lead - 1) * s.block_size;
       if (ask && ahead < seq_len)
         prefetch_rows(v_cache, table[ahead / s.block_size], kv, ask_step, s, kHeadDim);
@@ -265,6 +286,7 @@ void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* t
           for (int i = 0; i < kVecs; ++i) acc[g][i] += p * row[i];
         }
       }
+      start = end;
     }
     for (int g = 0; g < kGroup; ++g) {
       for (int i = 0; i < kVecs; ++i) store(acc[g][i], out + first_row + g * kHeadDim + i * kLanes);
@@ -314,10 +336,22 @@ void paged_decode(const T* query, const C* k_cache, const C* v_cache, const int3
   }
 }
 
-#define KVSHARE_DECODE(VECS, GROUP)                                                        \
-  paged_decode<T, C, VECS, GROUP>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale, \
-                               num_threads);                                                \
-  return 0
+// The (head dim, group) shapes the kernel is instantiated for: groups 1 to 8 at D 64 and 128;
+// at D 256 the powers of two only (every Gemma's: 1, 2, 4, 8), as the other four would add a
+// fifth more to the library's build time for no model known to use them.
+constexpr bool covers_shape(int head_dim, int group) {
+  const bool power_of_two = (group & (group - 1)) == 0;
+  return (head_dim == 64 || head_dim == 128 || (head_dim == 256 && power_of_two)) && group >= 1 &&
+         group <= 8;
+}
+
+#define KVSHARE_DECODE(VECS, GROUP)                                                          \
+  if constexpr (covers_shape(VECS * kLanes, GROUP)) {                                        \
+    paged_decode<T, C, VECS, GROUP>(query, k_cache, v_cache, block_tables, seq_lens, out, s, \
+                                    scale, num_threads);                                     \
+    return 0;                                                                                \
+  }                                                                                          \
+  return 2
 
 // Instantiates the kernel per (group size, head dim); 2 = a shape this build does not cover.
 template <typename T, typename C, int kVecs>
@@ -348,6 +382,9 @@ int dispatch_head_dim(const T* query, const C* k_cache, const C* v_cache,
     case 128:
       return dispatch_group<T, C, 8>(query, k_cache, v_cache, block_tables, seq_lens, out, s, scale,
                                   num_threads);
+    case 256:
+      return dispatch_group<T, C, 16>(query, k_cache, v_cache, block_tables, seq_lens, out, s,
+                                      scale, num_threads);
     default:
       return 2;
   }
@@ -361,16 +398,16 @@ using namespace kvshare;
 
 extern "C" {
 
-int kvshare_supports_shape(int head_dim, int group) {
-  return (head_dim == 64 || head_dim == 128) && group >= 1 && group <= 8;
-}
+int kvshare_supports_shape(int head_dim, int group) { return covers_shape(head_dim, group); }
 
 int kvshare_paged_decode_warm(int dtype, int cache_dtype, const void* query, const void* k_cache,
                               const void* v_cache, const int32_t* block_tables,
                               const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
                               int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                              float scale, int num_threads, int warm) {
-  const Shape s{num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, warm != 0};
+                              float scale, int num_threads, int warm, int window) {
+  if (window < 0) return 2;
+  const Shape s{num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, window,
+                warm != 0};
   return with_cache_dtype(dtype, cache_dtype, [&](auto tag, auto cache_tag) {
     using T = decltype(tag);
     using C = decltype(cache_tag);
@@ -384,10 +421,10 @@ int kvshare_paged_decode(int dtype, int cache_dtype, const void* query, const vo
                          const void* v_cache, const int32_t* block_tables,
                          const int32_t* seq_lens, void* out, int num_seqs, int num_heads,
                          int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                         float scale, int num_threads) {
+                         float scale, int num_threads, int window) {
   return kvshare_paged_decode_warm(dtype, cache_dtype, query, k_cache, v_cache, block_tables,
                                    seq_lens, out, num_seqs, num_heads, num_kv_heads, head_dim,
-                                   block_size, max_blocks, scale, num_threads, 0);
+                                   block_size, max_blocks, scale, num_threads, 0, window);
 }
 
 }  // extern "C"

@@ -114,7 +114,7 @@ struct PanelWeights {
         const uint8_t* block = weight + p * panel_bytes + int64_t{g} * P::kBytes;
         const vfloat d = P::scales(block), m = P::mins(block);
         for (int j = 0; j < P::kSteps; ++j) {
-          const Codes q = P::codes(block + P::kCodes, j);
+          const Codes q = P::codes(block, j);
           at[P::lo_k(j) * kBlockVectors] = dequantized(q.lo, d, m);
           at[P::hi_k(j) * kBlockVectors] = dequantized(q.hi, d, m);
         }
@@ -122,8 +122,8 @@ struct PanelWeights {
     }
   }
 
-  // GGUF's value: d q + m, one rounding (d q, at most 19 bits, is exact); Q4_0's m = -8 d makes
-  // it exactly (q - 8) d.
+  // GGUF's value: d q + m, one rounding (d q, at most 19 bits, is exact); Q4_0's m = -8 d and
+  // Q5_0's -16 d make it exactly (q - 8) d and (q - 16) d.
   static vfloat dequantized(vfloat q, vfloat d, vfloat m) {
     if constexpr (P::kHasMin) return q * d + m;
     return q * d;

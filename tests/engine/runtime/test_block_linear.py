@@ -2,8 +2,8 @@
 amx_panels.cpp) against F.linear on the weights
 as gguf-py dequantizes them, once per kernel build level this CPU executes (the forced lower
 levels included), on odd shapes, in both layouts (GGUF's rows, and the panels to_panels makes of
-Q4_0, Q4_1 and Q8_0); and batch invariance: a row's output is bit-identical alone and among 3
-or 8 rows, and with 1 or 2 threads."""
+Q4_0, Q4_1, Q5_0 and Q8_0); and batch invariance: a row's output is bit-identical alone and among
+3 or 8 rows, and with 1 or 2 threads."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quantize
 
 from engine.runtime.cpu.block_linear import (
     BLOCK_FORMATS,
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs a C++
 _HALF_FIELDS = {
     "Q4_0": [(0, 0.01)],
     "Q4_1": [(0, 0.01), (2, 0.05)],
+    "Q5_0": [(0, 0.005)],
     "Q8_0": [(0, 0.002)],
     "Q4_K": [(0, 0.001), (2, 0.002)],
     "Q6_K": [(208, 0.0005)],
@@ -173,7 +175,8 @@ def test_many_rows_read_expanded_panels_with_the_same_bits(library, fmt: str) ->
 
 
 @pytest.mark.parametrize(
-    ("fmt", "layout"), [("Q4_1", "rows"), ("Q6_K", "rows"), ("Q4_1", "panels")]
+    ("fmt", "layout"),
+    [("Q4_1", "rows"), ("Q6_K", "rows"), ("Q4_1", "panels"), ("Q5_0", "panels")],
 )
 def test_threads_split_outputs_never_the_sum(library, fmt: str, layout: str) -> None:
     weight = random_blocks(fmt, rows_for(layout, 50), in_features_of(fmt, 3), seed=3)
@@ -212,13 +215,15 @@ def test_panels_are_the_same_bytes_reordered(fmt: str) -> None:
     assert torch.equal(panels.data.flatten().sort().values, weight.data.flatten().sort().values)
     assert torch.equal(to_rows(panels).data, weight.data)
     assert torch.equal(panels.dequantize(), weight.dequantize())
-    # the first group of rows 0..15: their scales side by side, then code byte 0 of each
+    # the first group of rows 0..15: each head field of the 16 rows side by side (the scales
+    # first), then code byte 0 of each
     block_bytes = BLOCK_FORMATS[fmt][2]
-    first = weight.data[:16, :block_bytes]
-    assert torch.equal(panels.data.flatten()[:32], first[:, :2].flatten())
-    code_start = 2 * PANEL_FORMATS[fmt]
-    codes = panels.data.flatten()[16 * code_start : 16 * code_start + 16]
-    assert torch.equal(codes, first[:, code_start])
+    first, start = weight.data[:16, :block_bytes], 0
+    for width in PANEL_FORMATS[fmt]:
+        field = panels.data.flatten()[16 * start : 16 * (start + width)]
+        assert torch.equal(field, first[:, start : start + width].flatten())
+        start += width
+    assert torch.equal(panels.data.flatten()[16 * start : 16 * start + 16], first[:, start])
 
 
 def test_rows_that_are_not_whole_panels_keep_ggufs_order() -> None:
@@ -247,6 +252,52 @@ def test_q8_0_quantization_is_llama_cpps() -> None:
     assert torch.equal(stored.view(6, 3), scales)
     error = (blocks.dequantize().view(6, 3, 32) - groups).abs()
     assert (error <= scales[..., None] * (0.5 + 127 * 2**-11)).all()
+
+
+def quantize_q5_0(weight: torch.Tensor) -> BlockWeight:
+    """Q5_0 blocks of an fp32 [out, in] weight, written from the format's definition (llama.cpp's
+    reference quantizer, in fp32): per 32 weights d = -p / 16 for p the weight of largest
+    magnitude, codes q = min(31, trunc(w / d + 16.5)) whose value is d (q - 16). 22 bytes a
+    block: fp16 d; the codes' fifth bits as a little-endian uint32, bit k weight k's; 16 bytes,
+    byte j holding weight j's low four bits and weight j + 16's in its high four."""
+    groups = weight.detach().float().numpy().reshape(weight.shape[0], -1, 32)
+    peak = np.take_along_axis(groups, np.abs(groups).argmax(-1)[..., None], -1)
+    d = peak / np.float32(-16)
+    inverse = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.minimum(31, np.trunc(groups * inverse + np.float32(16.5))).astype(np.uint32)
+    fifth = ((q >> 4) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
+    nibbles = ((q[..., :16] & 15) | (q[..., 16:] & 15) << 4).astype(np.uint8)
+    fields = [d.astype(np.float16).view(np.uint8), fifth[..., None].astype("<u4").view(np.uint8)]
+    blocks = np.concatenate([*fields, nibbles], axis=-1).reshape(weight.shape[0], -1)
+    return BlockWeight("Q5_0", torch.from_numpy(blocks), weight.shape[1])
+
+
+def test_q5_0_as_gguf_reads_it_is_the_formats_definition() -> None:
+    """The reference quantizer's blocks are gguf-py's, byte for byte, and gguf-py dequantizes
+    them to within half a step of each weight (one step where the top code clips), plus 16
+    codes times d's fp16 rounding (2^-11): the layout the kernels read is the file's."""
+    weight = randn(6, 96, seed=17)
+    blocks = quantize_q5_0(weight)
+    assert tuple(blocks.data.shape) == (6, 3 * 22)
+    ggufs = quantize(weight.numpy(), GGMLQuantizationType.Q5_0)
+    assert np.array_equal(blocks.data.numpy(), ggufs)
+    groups = weight.view(6, 3, 32)
+    d = groups.gather(-1, groups.abs().argmax(-1, keepdim=True)) / -16
+    steps = torch.where(groups / d >= 15.5, 1.0, 0.5)  # w / d in [-16, 16]; 31 is the top code
+    error = (blocks.dequantize().view(6, 3, 32) - groups).abs()
+    assert (error <= d.abs() * (steps + 16 * 2**-11)).all()
+
+
+@pytest.mark.parametrize("layout", ["rows", "panels"])
+def test_q5_0_blocks_of_the_reference_quantizer_match_f_linear(library, layout: str) -> None:
+    # Gemma 3 270M's widths: 640 (20 groups) into 48 outputs (three panels), and 2048 into 16
+    for out_features, in_features in [(48, 640), (16, 2048)]:
+        blocks = quantize_q5_0(randn(out_features, in_features, seed=in_features) * 0.05)
+        layer = BlockLinear(laid_out(blocks, layout), None, library)
+        x = randn(8, in_features, seed=out_features)
+        out = layer(x)
+        assert_close_to_reference(out, x, blocks.dequantize())
+        assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(8)]))
 
 
 def test_block_weights_refuse_rows_that_are_not_whole_blocks() -> None:

@@ -17,6 +17,7 @@ from tests.engine.runtime.attention.paged_reference import (
     make_paged_batch,
     reference_attention,
 )
+from tests.engine.runtime.attention.window_reference import windowed_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled_triton")]
 
@@ -36,15 +37,22 @@ def random_chunks(num_seqs: int, max_cached: int, max_new: int, seed: int) -> li
     return [(rng.randint(0, max_cached), rng.randint(1, max_new)) for _ in range(num_seqs)]
 
 
-def check_forward(batch: PagedBatch, num_splits: int | None = None) -> None:
+def check_forward(
+    batch: PagedBatch, num_splits: int | None = None, window: int | None = None
+) -> None:
     scale = batch.query.shape[-1] ** -0.5
     out = triton_backend(num_splits=num_splits).forward(
-        batch.query, batch.k_cache, batch.v_cache, batch.meta, scale
+        batch.query, batch.k_cache, batch.v_cache, batch.meta, scale, window
     )
     torch.cuda.synchronize()
-    expected = reference_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.block_ids, batch.meta, scale
-    )
+    if window is None:
+        expected = reference_attention(
+            batch.query, batch.k_cache, batch.v_cache, batch.block_ids, batch.meta, scale
+        )
+    else:
+        expected = windowed_reference(
+            batch.query, batch.k_cache, batch.v_cache, batch.block_ids, batch.meta, scale, window
+        ).float()
     assert out.dtype == batch.query.dtype
     torch.testing.assert_close(out.float().cpu(), expected, **BF16_TOL)
 
@@ -78,6 +86,17 @@ def test_prefill_with_cached_prefix(
         dtype=torch.bfloat16, device="cuda", seed=1,
     )  # fmt: skip
     check_forward(batch)
+
+
+@pytest.mark.parametrize(("num_splits", "window"), [(None, None), (None, 512), (1, 512), (8, 512)])
+def test_gemma3_shape_with_sliding_window(num_splits: int | None, window: int | None) -> None:
+    # head_dim 256, 4 query heads per KV head; contexts below, at, one past and far past 512
+    decodes = [(c, 1) for c in (4095, 511, 512, 1000, 20)]
+    chunks = [*decodes, (0, 700), (3000, 300), (505, 13), (16, 1)]
+    batch = make_paged_batch(
+        chunks, len(decodes), 16, 16, 4, 256, dtype=torch.bfloat16, device="cuda", seed=4
+    )
+    check_forward(batch, num_splits, window)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -28,9 +28,11 @@ from engine.runtime.attention import triton_cache_ops, triton_kernels  # noqa: E
 from engine.runtime.attention.triton_backend import TritonBackend  # noqa: E402
 from tests.engine.runtime.attention.paged_reference import (  # noqa: E402
     PagedBatch,
+    make_metadata,
     make_paged_batch,
     reference_attention,
 )
+from tests.engine.runtime.attention.window_reference import windowed_reference  # noqa: E402
 
 if _CAN_INTERPRET_HERE and not triton_kernels.INTERPRETED:
     # an earlier import (with triton already interpreting) built them for a GPU: rebuild
@@ -69,10 +71,12 @@ FORWARD_CASES = {
 }
 
 
-def run_forward(batch: PagedBatch, num_splits: int | None = None) -> torch.Tensor:
+def run_forward(
+    batch: PagedBatch, num_splits: int | None = None, window: int | None = None
+) -> torch.Tensor:
     scale = batch.query.shape[-1] ** -0.5
     backend = TritonBackend(num_splits=num_splits)
-    return backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
+    return backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale, window)
 
 
 def reference_for(batch: PagedBatch) -> torch.Tensor:
@@ -114,13 +118,14 @@ def test_half_precision_matches_reference(dtype: torch.dtype, num_splits: int) -
 
 
 @interpreted
+@pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_decode_row_with_empty_context_outputs_zeros(num_splits: int) -> None:
+def test_decode_row_with_empty_context_outputs_zeros(num_splits: int, window: int | None) -> None:
     # a padded decode row (seq_len 0, as CUDA-graph padding may produce) must not make NaNs
     batch = make_paged_batch([(5, 1), (3, 1)], 2, 8, 2, 1, 16, seed=3)
-    expected = reference_for(batch)[0]
+    expected = windowed_reference_for(batch, window)[0]
     batch.meta.seq_lens[1] = 0
-    out = run_forward(batch, num_splits=num_splits)
+    out = run_forward(batch, num_splits, window)
     torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
@@ -215,3 +220,95 @@ def test_matches_torch_reference_backend() -> None:
     expected = reference.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25)
     out = TritonBackend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def windowed_reference_for(batch: PagedBatch, window: int | None) -> torch.Tensor:
+    """The float64 oracle, as fp32 to compare with the kernels' fp32 output."""
+    scale = batch.query.shape[-1] ** -0.5
+    return windowed_reference(
+        batch.query, batch.k_cache, batch.v_cache, batch.block_ids, batch.meta, scale, window
+    ).float()
+
+
+# Block size 8 below: contexts and windows end on a block edge (8, 16, 40) or one past it.
+WINDOW_DECODE_CONTEXTS = [1, 8, 9, 16, 17, 40, 300]
+# (window, num_splits): 8 splits leave most slices without a key; windows over one tile (64
+# keys at D = 16) also split into several non-empty slices
+WINDOW_DECODE_SPLITS = [(w, s) for w in (1, 8, 9, 16, 17, 100, 400) for s in (1, 8)]
+
+
+@interpreted
+@pytest.mark.parametrize(("window", "num_splits"), [*WINDOW_DECODE_SPLITS, (100, 3), (400, 3)])
+def test_windowed_decode_matches_reference(window: int, num_splits: int) -> None:
+    # windows below, at and above each context
+    chunks = [(n - 1, 1) for n in WINDOW_DECODE_CONTEXTS]
+    batch = make_paged_batch(chunks, len(chunks), 8, num_heads=4, num_kv_heads=1, head_dim=16)
+    out = run_forward(batch, num_splits, window)
+    torch.testing.assert_close(out, windowed_reference_for(batch, window), atol=1e-5, rtol=1e-5)
+
+
+# (cached_len, new_tokens): contexts 40, 25, 17, 40, 8, 65; the 40-token chunks span 3 tiles
+WINDOW_PREFILL_CHUNKS = [(0, 40), (16, 9), (13, 4), (30, 10), (0, 8), (64, 1)]
+
+
+@interpreted
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (6, 2)])
+@pytest.mark.parametrize("window", [1, 8, 9, 16, 17, 40, 100])
+def test_windowed_prefill_matches_reference(window: int, num_heads: int, num_kv_heads: int) -> None:
+    chunks = WINDOW_PREFILL_CHUNKS
+    batch = make_paged_batch(chunks, 0, 8, num_heads, num_kv_heads, head_dim=16, seed=6)
+    out = run_forward(batch, window=window)
+    torch.testing.assert_close(out, windowed_reference_for(batch, window), atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("window", [7, 16, 33])
+def test_windowed_prefill_in_chunks_equals_one_chunk(window: int) -> None:
+    # chunk edges on and off the blocks (8) and the query tiles (16 tokens at group 4)
+    batch = make_paged_batch([(0, 70)], 0, 8, 8, 2, 16, seed=7)
+    scale = 16**-0.5
+    backend = TritonBackend()
+    whole = backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale, window)
+    parts = []
+    for start, end in [(0, 16), (16, 17), (17, 41), (41, 70)]:
+        slots = batch.meta.slot_mapping[start:end].tolist()
+        meta = make_metadata([(start, end - start)], 0, batch.block_ids, slots)
+        query = batch.query[start:end]
+        parts.append(backend.forward(query, batch.k_cache, batch.v_cache, meta, scale, window))
+    torch.testing.assert_close(torch.cat(parts), whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(whole, windowed_reference_for(batch, window), atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_windowed_kernels_never_read_keys_before_the_window(num_splits: int) -> None:
+    # NaN in every slot before the first key a sequence's queries see: one read would show
+    window, block_size = 12, 8
+    chunks = [(99, 1), (16, 1), (30, 1), (37, 9), (4, 20)]
+    batch = make_paged_batch(chunks, 3, block_size, 4, 2, 16, seed=8)
+    expected = windowed_reference_for(batch, window)
+    for (cached_len, _), table in zip(chunks, batch.block_ids, strict=True):
+        for position in range(max(0, cached_len - window + 1)):
+            block, offset = table[position // block_size], position % block_size
+            batch.k_cache[block, offset] = float("nan")
+            batch.v_cache[block, offset] = float("nan")
+    out = run_forward(batch, num_splits, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("window", [None, 48])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_head_dim_256_group_4(num_splits: int, window: int | None) -> None:
+    # Gemma 3's attention shape (narrow tiles at D = 256), decodes and prefills in one batch
+    chunks = [(99, 1), (40, 1), (50, 30), (0, 20)]
+    batch = make_paged_batch(chunks, 2, 16, num_heads=8, num_kv_heads=2, head_dim=256, seed=9)
+    out = run_forward(batch, num_splits, window)
+    torch.testing.assert_close(out, windowed_reference_for(batch, window), atol=1e-5, rtol=1e-5)
+
+
+@interpreted
+def test_window_below_one_is_rejected() -> None:
+    batch = make_paged_batch([(3, 1)], 1, 8, 2, 1, 16)
+    with pytest.raises(ValueError, match="window"):
+        run_forward(batch, window=0)
