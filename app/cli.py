@@ -21,6 +21,11 @@ from pathlib import Path
 from app import offline
 from app.settings import SettingsError, add_settings_flags, flag_overrides, load_settings
 
+# `kvshare serve`'s exit status when it cannot start: the model (or its tokenizer) cannot load;
+# uvicorn exits with the same (its STARTUP_FAILURE) when the port is taken or the response store
+# cannot open. 2: a bad setting.
+STARTUP_FAILED_EXIT_STATUS = 3
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -35,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         "serve the OpenAI-compatible HTTP API",
         add_arguments=None,
         handler=_serve,
+        notes=f"Exit status: 0 once stopped; 2 for a bad setting; {STARTUP_FAILED_EXIT_STATUS} "
+        "when it cannot start: the model cannot load (the last line on stderr says why), the "
+        "port is taken, the response store cannot open.",
     )
     _add_command(
         commands,
@@ -109,13 +117,12 @@ def _build_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_command(commands, name: str, help_text: str, add_arguments, handler) -> None:
+def _add_command(
+    commands, name: str, help_text: str, add_arguments, handler, notes: str = ""
+) -> None:
     """A subcommand that reads the settings (--config, KVSHARE_*, flags) like every other."""
-    command = commands.add_parser(
-        name,
-        help=help_text,
-        description="Settings: built-in defaults < --config YAML < KVSHARE_* env < flags.",
-    )
+    settings = "Settings: built-in defaults < --config YAML < KVSHARE_* env < flags."
+    command = commands.add_parser(name, help=help_text, description=f"{settings} {notes}".strip())
     command.add_argument("--config", metavar="YAML", help="settings file, e.g. config/cpu.yaml")
     if add_arguments is not None:
         add_arguments(command)
@@ -150,13 +157,17 @@ def _serve(args: argparse.Namespace) -> int:
 
     configure_logging(settings.server.log_level, settings.server.log_format)
     engine = AsyncEngine(settings.to_engine_config())
-    app = create_app(engine, settings)
+    server = build_server(create_app(engine, settings), settings)
     record = _record_address(settings.server.host, settings.server.port)
     try:
-        asyncio.run(build_server(app, settings).serve())
+        asyncio.run(server.serve())  # returns by itself when the model fails to load
     finally:
         if record is not None:
             record.unlink(missing_ok=True)
+    if server.load_error is not None:  # the last line on stderr says why, on one line
+        reason = " ".join(server.load_error.split())
+        print(f"kvshare serve: error: the model failed to load: {reason}", file=sys.stderr)
+        return STARTUP_FAILED_EXIT_STATUS
     return 0
 
 

@@ -145,7 +145,8 @@ _LAST_EVENT_SECONDS = 2.0
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose SIGTERM/SIGINT drains first.
+    """uvicorn.Server whose SIGTERM/SIGINT drains first, and which stops by itself when the
+    model fails to load (load_error says why once serve() has returned).
 
     First signal: /ready turns 503 and new requests get 503, running ones may finish for
     shutdown_grace_seconds; then streams still running end with an error event and [DONE],
@@ -157,6 +158,18 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
         self._drain_task: asyncio.Task[None] | None = None
+
+    @property
+    def load_error(self) -> str | None:
+        """Why the model (or its tokenizer) failed to load, if it did."""
+        return self.state.load_error
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn asks every 0.1 s whether to exit: also once the model has failed to load,
+        since a server that can never be ready should not look alive."""
+        if self.load_error is not None:
+            return True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -30,6 +30,7 @@ from engine.core.errors import (
     EngineNotReady,
     FaultInjectionDisabled,
     KVEventsDisabled,
+    KVShareError,
 )
 from engine.core.protocol import (
     AdmittedRequest,
@@ -203,6 +204,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._engine = self._engine_factory(self.config)
+        except KVShareError as exc:  # refused on purpose: the message is the whole story
+            self._load_error = f"{type(exc).__name__}: {exc}"
+            return
         except Exception as exc:
             logger.exception("loading the model failed")
             self._load_error = f"{type(exc).__name__}: {exc}"

@@ -30,6 +30,35 @@ To call a function, answer with one block per call, exactly like this:
 </tool_call>"""
 
 
+# Gemma's turn format, as Google documents it for Gemma 3 (the GGUF of the base model carries
+# no template): <start_of_turn>user / model ... <end_of_turn>; a system prompt has no turn of
+# its own and opens the next user turn. Written for kvshare; used only where a Gemma 3
+# checkpoint has no template of its own and no --chat-template is given.
+GEMMA_TURNS = """{{- bos_token -}}
+{%- set ns = namespace(system='') -%}
+{%- for message in messages -%}
+{%- if message['content'] is string -%}
+{%- set content = message['content'] -%}
+{%- else -%}
+{%- set content = message['content'] | selectattr('type', 'equalto', 'text')
+    | map(attribute='text') | join('\n') -%}
+{%- endif -%}
+{%- if message['role'] == 'system' -%}
+{%- set ns.system = ns.system + content | trim + '\n\n' -%}
+{%- else -%}
+{%- set role = 'model' if message['role'] == 'assistant' else 'user' -%}
+{{- '<start_of_turn>' + role + '\n' -}}
+{%- if role == 'user' -%}{{- ns.system -}}{%- set ns.system = '' -%}{%- endif -%}
+{{- content | trim + '<end_of_turn>\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"""
+
+# model_type (config.json) -> the template its family documents, for checkpoints without one.
+# The engine stops on the turn's end marker (<end_of_turn>): models/gemma3.py, turn_end_tokens.
+FAMILY_TEMPLATES = {"gemma3_text": GEMMA_TURNS, "gemma3": GEMMA_TURNS}
+
+
 def compile_template(source: str) -> jinja2.Template:
     """The template in a sandbox, with the globals and filters HF chat templates expect."""
     env = ImmutableSandboxedEnvironment(

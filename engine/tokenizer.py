@@ -18,7 +18,12 @@ from typing import Any
 import jinja2
 from tokenizers import Tokenizer as _HFTokenizer
 
-from engine.chat_template import compile_template, generic_tool_messages, reads_tools
+from engine.chat_template import (
+    FAMILY_TEMPLATES,
+    compile_template,
+    generic_tool_messages,
+    reads_tools,
+)
 from engine.core.errors import KVShareError
 
 # vLLM's trick: decode a few prompt tokens as context so that the first generated token
@@ -99,6 +104,9 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in template}
             return named.get("default") or next(iter(named.values()), None)
+        if template is None:  # the family's documented format, where kvshare knows one
+            model_type = _read_json(self.path / "config.json").get("model_type")
+            template = FAMILY_TEMPLATES.get(model_type)
         return template
 
     def _load_special_tokens(self) -> dict[str, str]:

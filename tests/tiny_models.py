@@ -36,15 +36,30 @@ def _config_class(arch: str):
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma3": transformers.Gemma3TextConfig,
     }[arch]
 
 
+# Gemma 3's shape in miniature: head_dim 16 (its default is 256), a window of 8 positions (one
+# block in the tests) on two of three layers, rope bases as the real model's.
+TINY_GEMMA3: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 16,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    "tie_word_embeddings": True,
+}
+
+
 def build_tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides: Any):
-    """A random HF model of family `arch` ("llama" | "mistral" | "qwen2" | "qwen3"), eval mode."""
+    """A random HF model of family `arch` ("llama" | "mistral" | "qwen2" | "qwen3" | "gemma3"),
+    eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = _config_class(arch)(**{**TINY_CONFIG, **overrides})
+    family = TINY_GEMMA3 if arch == "gemma3" else {}
+    config = _config_class(arch)(**{**TINY_CONFIG, **family, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     # HF initialises biases to 0 and norm weights to 1; random ones make them matter.

@@ -59,7 +59,10 @@ class ServerState:
             self.responses = None
 
     async def load(self) -> None:
-        """Wait for the engine to be ready, then load the tokenizer and build the services."""
+        """Wait for the engine to be ready, then load the tokenizer and build the services.
+
+        On failure it sets load_error, which stops a DrainingServer: a server whose model
+        cannot load exits rather than answer /ready with 503 forever."""
         while not self.engine.is_ready:
             if self.engine.load_error is not None:
                 self.load_error = self.engine.load_error

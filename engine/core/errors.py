@@ -62,3 +62,12 @@ class KVEventsDisabled(KVShareError):
 class ChoiceNotForked(KVShareError):
     """An abort of one choice of an n-choice request whose choices have not forked yet (the
     caller aborts the whole request instead)."""
+
+
+class ModelLoadError(KVShareError):
+    """The configured model cannot be loaded; the message says why and what to do."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The configured model names nothing loadable (a path, a packaged model's packages, the
+    offline hub cache); the message says what was looked for and how to get it."""

@@ -289,7 +289,8 @@ class EngineClient(Protocol):
 
     @property
     def load_error(self) -> str | None:
-        """Why loading failed, if it did (the server then reports it and stays unready)."""
+        """Why loading failed, if it did: the exception's type and message (the server then
+        stops: `kvshare serve` exits with status 3)."""
         ...
 
     async def shutdown(self) -> None: ...

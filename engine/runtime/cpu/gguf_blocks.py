@@ -30,11 +30,15 @@ _LAYER_TENSORS = {
 _TOP_TENSORS = {"token_embd": "model.embed_tokens", "output": "lm_head"}
 
 
-def read_blocks(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict, dict[str, str]]:
+def read_blocks(
+    path: Path, num_heads: int, num_kv_heads: int, qk_rows_interleaved: bool = True
+) -> tuple[dict, dict[str, str]]:
     """({module name: BlockWeight}, {GGUF tensor or module: why it has no block kernel}).
 
     Module names are those of LlamaForCausalLM (model.layers.0.self_attn.qkv_proj, lm_head,
-    model.embed_tokens). The data are copies: the file's mapping is not kept."""
+    model.embed_tokens). qk_rows_interleaved: the file holds q and k in llama.cpp's rope layout
+    (its Llama family does; its Gemma keeps the HF order). The data are copies: the file's
+    mapping is not kept."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
@@ -51,7 +55,7 @@ def read_blocks(path: Path, num_heads: int, num_kv_heads: int) -> tuple[dict, di
             continue
         data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # [rows, row bytes]
         in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first
-        if name.endswith(("attn_q", "attn_k")):
+        if qk_rows_interleaved and name.endswith(("attn_q", "attn_k")):
             data = data[_hf_row_order(data.shape[0], num_heads, num_kv_heads, name)]
         parts.setdefault(module, {})[part] = BlockWeight(fmt, data.contiguous(), in_features)
     return _fuse(parts, skipped), skipped

@@ -183,7 +183,8 @@ def _use_blocks(model: nn.Module, mode: str, gguf_path: Path | None, kernels_dir
         return 0
     else:
         spec = model.spec
-        blocks, skipped = read_blocks(gguf_path, spec.num_heads, spec.num_kv_heads)
+        interleaved = getattr(model, "gguf_qk_rows_interleaved", True)
+        blocks, skipped = read_blocks(gguf_path, spec.num_heads, spec.num_kv_heads, interleaved)
         if skipped:
             shown = ", ".join(f"{name} ({why})" for name, why in sorted(skipped.items()))
             logger.info("no block kernel, dequantized at load: %s", shown)

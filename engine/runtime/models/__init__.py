@@ -7,9 +7,11 @@ from collections.abc import Sequence
 from torch import nn
 
 from engine.core.errors import KVShareError
+from engine.runtime.models.gemma3 import Gemma3ForCausalLM
 from engine.runtime.models.llama import LlamaForCausalLM
 
 _REGISTRY: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -34,3 +36,21 @@ def get_model_class(architectures: Sequence[str] | None) -> type[nn.Module]:
     raise UnsupportedArchitectureError(
         f"unsupported model architecture {named}; supported: {', '.join(supported_architectures())}"
     )
+
+
+def implements_sliding_window(architectures: Sequence[str] | None) -> bool:
+    """Whether our class for these architectures attends within a sliding window itself (the
+    others keep the context at the window, where full attention is exact)."""
+    for name in architectures or ():
+        if name in _REGISTRY:
+            return bool(getattr(_REGISTRY[name], "implements_sliding_window", False))
+    return False
+
+
+def turn_end_tokens(architectures: Sequence[str] | None) -> tuple[str, ...]:
+    """Tokens that end a chat turn besides EOS for these architectures (the engine stops on
+    them): Gemma's <end_of_turn>; none for the others."""
+    for name in architectures or ():
+        if name in _REGISTRY:
+            return tuple(getattr(_REGISTRY[name], "turn_end_tokens", ()))
+    return ()

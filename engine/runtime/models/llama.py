@@ -114,6 +114,7 @@ class LlamaAttention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim**-0.5
+        self.window: int | None = None  # a sliding-window layer's width (Gemma 3); None: all
         self.qkv_proj = _linear(
             spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias, device, dtype
         )
@@ -141,7 +142,7 @@ class LlamaAttention(nn.Module):
                 qkv, self.num_heads, *rope, k_cache, v_cache, meta.slot_mapping
             )
             if q is not None:
-                out = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+                out = backend.forward(q, k_cache, v_cache, meta, self.scale, self.window)
                 return _project(self.o_proj, out.reshape(num_tokens, self.q_size), meta.tile_rows)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
@@ -151,7 +152,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, rope), self._rope(k, rope)
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        out = backend.forward(q, k_cache, v_cache, meta, self.scale, self.window)  # [T, H, D]
         return _project(self.o_proj, out.reshape(num_tokens, self.q_size), meta.tile_rows)
 
     def _rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:

