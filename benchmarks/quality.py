@@ -11,8 +11,9 @@ decode step at batch 1 and at batch 8, and the ms per output token it gives (ste
 A mode may name a KV cache dtype after a colon: native:float16 is quantization native over a
 float16 KV pool (kv_cache_dtype), against the exact mode's float32 one.
 
-Usage: python benchmarks/quality.py [--modes none,fp16,int8,native:float16 --threads 2
-       --output-len 32 --chunk-tokens 256 --out benchmarks/results/quality.json]
+Usage: python benchmarks/quality.py [--model gemma-3-270m] [--modes none,fp16,int8,native:float16
+       --threads 2 --output-len 32 --chunk-tokens 256 --out benchmarks/results/quality.json]
+(--model: any `kvshare serve --model` value; default the embedded SmolLM2.)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ PROMPT_TOKENS = 64  # each speed prompt: a slice of the text
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="as kvshare serve --model (default SmolLM2)")
     parser.add_argument("--modes", default=",".join(QUANTIZATIONS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output-len", type=int, default=32)
@@ -49,15 +51,16 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def make_engine(mode: str, threads: int, max_num_seqs: int) -> LLMEngine:
+def make_engine(mode: str, args: argparse.Namespace, max_num_seqs: int) -> LLMEngine:
     quantization, _, kv_cache_dtype = mode.partition(":")
     return LLMEngine(
         EngineConfig(
+            model=args.model,
             dtype="float32",
             device="cpu",
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype or "auto",
-            num_threads=threads,
+            num_threads=args.threads,
             max_num_seqs=max_num_seqs,
             num_kv_blocks=1024,
             enable_prefix_cache=False,
@@ -77,7 +80,7 @@ def decode_ms(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> f
 
 
 def measure(mode: str, token_ids: list[int], args: argparse.Namespace) -> dict:
-    engine = make_engine(mode, args.threads, max_num_seqs=8)
+    engine = make_engine(mode, args, max_num_seqs=8)
     score = score_text(engine.runner, token_ids, args.chunk_tokens)
     # Where prompt and generated tokens take different kernel paths (AMX tiles for the prompt,
     # step_inputs.tile_rows), the text is also scored on the generated tokens' path.
@@ -125,7 +128,8 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     args = parse_args()
     modes = ["none", *(m for m in args.modes.split(",") if m != "none")]  # exact first
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(EngineConfig())))
+    model_dir = resolve_model_dir(EngineConfig(model=args.model))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     token_ids = tokenizer(TEXT.read_text())["input_ids"]
     results = {}
     for mode in modes:
@@ -138,8 +142,8 @@ def main() -> None:
         for mode, result in results.items()
         if result["generated"] is not None
     ]
-    print(f"text: {TEXT.name}, {len(token_ids)} tokens; torch {torch.__version__}, "
-          f"{args.threads} threads")  # fmt: skip
+    print(f"model {model_dir.name}; text: {TEXT.name}, {len(token_ids)} tokens; "
+          f"torch {torch.__version__}, {args.threads} threads")  # fmt: skip
     print_table(rows)
     if args.out is not None:
         args.out.write_text(json.dumps({"tokens": len(token_ids), "rows": rows}, indent=2) + "\n")

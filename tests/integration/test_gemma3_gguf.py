@@ -70,7 +70,9 @@ def test_a_hit_past_the_window_gives_what_a_miss_gives(engine, text_ids):
     shared, tail = text_ids[:1500], text_ids[1600:1700]
     engine.generate([text_ids[:1510]], GREEDY)  # caches the first 1,504 tokens (94 blocks)
     prompt = [*shared, *tail]
-    common = next(i for i, (a, b) in enumerate(zip(prompt, text_ids)) if a != b)
+    common = next(
+        i for i, (a, b) in enumerate(zip(prompt, text_ids[: len(prompt)], strict=True)) if a != b
+    )
     request = EngineRequest("hit", prompt, GREEDY)
     engine.add_request(request)
     tokens, cached = [], None

@@ -97,6 +97,18 @@ def make_metadata(
     )
 
 
+def visible_keys(positions: torch.Tensor, seq_len: int, window: int | None) -> torch.Tensor:
+    """[Tq, S] bool: which of the seq_len keys each query position sees, written from the
+    contract's words: a query at position p sees keys max(0, p - W + 1) .. p (all up to p
+    without a window)."""
+    keys = torch.arange(seq_len)[None, :]
+    queries = positions[:, None]
+    visible = keys <= queries
+    if window is not None:
+        visible &= keys >= (queries - window + 1).clamp(min=0)
+    return visible
+
+
 def reference_attention(
     query: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -104,24 +116,36 @@ def reference_attention(
     block_ids: list[list[int]],
     meta: AttentionMetadata,
     scale: float,
-) -> torch.Tensor:  # [T, H, D] fp32
-    """Dense causal attention per sequence over K/V gathered position by position."""
+    window: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # [T, H, D] in dtype
+    """Dense causal attention per sequence over K/V gathered position by position (within
+    the last `window` positions for a sliding-window layer); shares no code with a backend."""
     block_size = k_cache.shape[1]
     group_size = query.shape[1] // k_cache.shape[2]
-    out = torch.zeros(query.shape, dtype=torch.float32)
+    out = torch.zeros(query.shape, dtype=dtype)
     starts = meta.query_start_loc_host
     for seq, seq_len in enumerate(meta.seq_lens_host):
+        if seq_len == 0:
+            continue  # a padded decode row: no keys, output 0
         table = block_ids[seq]
         blocks = torch.tensor([table[p // block_size] for p in range(seq_len)], dtype=torch.long)
         offsets = torch.arange(seq_len) % block_size
-        keys = k_cache.cpu()[blocks, offsets].float()  # [S, Hkv, D]
-        values = v_cache.cpu()[blocks, offsets].float()
+        keys = k_cache.cpu()[blocks, offsets].to(dtype)  # [S, Hkv, D]
+        values = v_cache.cpu()[blocks, offsets].to(dtype)
         keys = keys.repeat_interleave(group_size, dim=1)  # [S, H, D]
         values = values.repeat_interleave(group_size, dim=1)
-        q = query[starts[seq] : starts[seq + 1]].float().cpu()  # [Tq, H, D]
+        q = query[starts[seq] : starts[seq + 1]].cpu().to(dtype)  # [Tq, H, D]
         positions = torch.arange(seq_len - q.shape[0], seq_len)  # [Tq]
-        visible = torch.arange(seq_len)[None, :] <= positions[:, None]  # [Tq, S]
+        visible = visible_keys(positions, seq_len, window)  # [Tq, S]
         scores = torch.einsum("thd,shd->hts", q, keys) * scale
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
         out[starts[seq] : starts[seq + 1]] = torch.einsum("hts,shd->thd", probs, values)
     return out
+
+
+def windowed_reference(query, k_cache, v_cache, block_ids, meta, scale, window) -> torch.Tensor:
+    """reference_attention with a window, in float64: the oracle of the window tests."""
+    return reference_attention(
+        query, k_cache, v_cache, block_ids, meta, scale, window, dtype=torch.float64
+    )

@@ -23,8 +23,8 @@ from tests.engine.runtime.attention.paged_reference import (
     PagedBatch,
     make_metadata,
     make_paged_batch,
+    windowed_reference,
 )
-from tests.engine.runtime.attention.window_reference import windowed_reference
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

@@ -16,8 +16,8 @@ from tests.engine.runtime.attention.paged_reference import (
     PagedBatch,
     make_paged_batch,
     reference_attention,
+    windowed_reference,
 )
-from tests.engine.runtime.attention.window_reference import windowed_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled_triton")]
 

@@ -31,8 +31,8 @@ from tests.engine.runtime.attention.paged_reference import (  # noqa: E402
     make_metadata,
     make_paged_batch,
     reference_attention,
+    windowed_reference,
 )
-from tests.engine.runtime.attention.window_reference import windowed_reference  # noqa: E402
 
 if _CAN_INTERPRET_HERE and not triton_kernels.INTERPRETED:
     # an earlier import (with triton already interpreting) built them for a GPU: rebuild
