@@ -52,6 +52,8 @@ GEMMA_TURNS = """{{- bos_token -}}
 {{- content | trim + '<end_of_turn>\n' -}}
 {%- endif -%}
 {%- endfor -%}
+{%- if ns.system -%}{{- raise_exception('a system message must be followed by a user message') -}}
+{%- endif -%}
 {%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"""
 
 # model_type (config.json) -> the template its family documents, for checkpoints without one.

@@ -40,12 +40,13 @@ def _config_class(arch: str):
     }[arch]
 
 
-# Gemma 3's shape in miniature: head_dim 16 (its default is 256), a window of 8 positions (one
-# block in the tests) on two of three layers, rope bases as the real model's.
+# Gemma 3's shape in miniature: head_dim 64 (its default is 256; not hidden / heads, and a dim
+# the native kernel takes), attention scaled by 24 ** -0.5 (not head_dim's), a window of 8
+# positions (one block in the tests) on two of three layers, rope bases as the real model's.
 TINY_GEMMA3: dict[str, Any] = {
     "num_hidden_layers": 3,
-    "head_dim": 16,
-    "query_pre_attn_scalar": 16,
+    "head_dim": 64,
+    "query_pre_attn_scalar": 24,
     "sliding_window": 8,
     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
     "tie_word_embeddings": True,

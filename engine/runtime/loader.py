@@ -125,7 +125,9 @@ def resolve_model_source(config: EngineConfig) -> ModelSource:
 
 def _packaged_source(model: PackagedModel, cache_dir: Path) -> ModelSource:
     gguf = packaged_gguf(model, cache_dir)
-    target = cache_dir / "models" / model.name
+    # An assembled file's digest names its conversion: a new pinned file converts afresh.
+    stamp = f"-{model.assembled_sha256[:12]}" if model.assembled_sha256 else ""
+    target = cache_dir / "models" / f"{model.name}{stamp}"
     return ModelSource(model.name, convert_gguf(gguf, target), gguf_path=gguf)
 
 

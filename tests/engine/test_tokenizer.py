@@ -128,6 +128,48 @@ def test_chat_template_file_and_generation_config(tmp_path: Path) -> None:
     assert tokenizer.eos_token_ids == (2, 0)  # tokenizer_config's eos first
 
 
+GEMMA_CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]},
+]
+
+
+@pytest.fixture
+def gemma_without_template(tmp_path: Path) -> Tokenizer:
+    """A tokenizer directory with no chat template, beside a Gemma 3 config.json."""
+    directory = build_tiny_tokenizer(tmp_path / "t")
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    del config["chat_template"]
+    config_path.write_text(json.dumps(config))
+    (directory / "config.json").write_text(json.dumps({"model_type": "gemma3_text"}))
+    return Tokenizer(directory)
+
+
+def test_a_gemma_checkpoint_without_a_template_gets_gemmas_turns(gemma_without_template):
+    bos = gemma_without_template.special_tokens["bos_token"]
+    assert gemma_without_template.render_chat(GEMMA_CHAT) == (
+        f"{bos}<start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n"
+        "<start_of_turn>model\nHello!<end_of_turn>\n"
+        "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
+def test_gemma_turns_extend_the_previous_turns_text(gemma_without_template):
+    """Turn N + 1 renders as turn N, its answer and its end marker, then the new turn: what
+    a multi-turn chat needs to hit the prefix cache."""
+    first = gemma_without_template.render_chat(GEMMA_CHAT[:2])
+    second = gemma_without_template.render_chat(GEMMA_CHAT)
+    assert second.startswith(first + "Hello!<end_of_turn>\n")
+
+
+def test_gemma_turns_refuse_a_system_message_no_user_turn_follows(gemma_without_template):
+    with pytest.raises(ChatTemplateError, match="followed by a user message"):
+        gemma_without_template.render_chat([*GEMMA_CHAT, {"role": "system", "content": "x"}])
+
+
 # -- incremental detokenization ----------------------------------------------------------------
 
 

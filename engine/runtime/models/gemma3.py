@@ -2,8 +2,9 @@
 
 Each difference is computed as transformers' Gemma3ForCausalLM computes it:
 - the embedded tokens are scaled by sqrt(hidden_size), in the weights' dtype;
-- RMSNorm scales by (1 + w): 1 is added to each checkpoint norm weight once, at load, so the
-  Llama norm (and its fused kernel) computes the same product;
+- RMSNorm scales by (1 + w): 1 is added to each checkpoint norm weight once, at load, and the
+  weight stays float32 (Gemma3RMSNorm), so the Llama norm (and its fused kernel) computes the
+  same product;
 - four norms per layer: the attention and MLP outputs are normed before their residual adds;
 - q and k are normed per head before rope (as Qwen3's), and attention scales by
   query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5;
@@ -50,6 +51,7 @@ class Gemma3Layout:
     """What Gemma 3 adds to LlamaSpec: each layer's window and the two rope settings."""
 
     windows: tuple[int | None, ...]  # per layer: the sliding window, or None (full attention)
+    local: tuple[bool, ...]  # per layer: a sliding-attention layer (the local rope)
     attention_scale: float
     local_rope: Any  # an hf_config-like object rope_inv_freq reads (rope_parameters, ...)
     global_rope: Any
@@ -61,16 +63,21 @@ class Gemma3Layout:
             raise ValueError("attn_logit_softcapping (Gemma 2) is not supported")
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention is not supported (causal models only)")
+        activation = getattr(hf_config, "hidden_activation", "gelu_pytorch_tanh")
+        if activation != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_activation {activation!r} is not supported (GELU-tanh only)")
         num_layers = hf_config.num_hidden_layers
         layer_types = list(getattr(hf_config, "layer_types", None) or [])
         if not layer_types:  # older configs: every pattern-th layer is global
             pattern = getattr(hf_config, "sliding_window_pattern", 6)
             layer_types = [_FULL if (i + 1) % pattern == 0 else _SLIDING for i in range(num_layers)]
         window = getattr(hf_config, "sliding_window", None)
-        windows = tuple(window if kind == _SLIDING else None for kind in layer_types)
+        local = tuple(kind == _SLIDING for kind in layer_types)
+        windows = tuple(window if is_local else None for is_local in local)
         local_rope, global_rope = _rope_configs(hf_config)
         return cls(
             windows=windows,
+            local=local,
             attention_scale=float(hf_config.query_pre_attn_scalar) ** -0.5,
             local_rope=local_rope,
             global_rope=global_rope,
@@ -96,6 +103,31 @@ def _rope_configs(hf_config: Any) -> tuple[Any, Any]:
     )
 
 
+class Gemma3RMSNorm(RMSNorm):
+    """RMSNorm rounded as transformers' Gemma norm: the (1 + w) weight held in float32 and the
+    product taken in float32, cast once (Llama casts first, then scales in the model's dtype).
+    In a float32 model both are the same bits, and the fused kernel serves it."""
+
+    def __init__(self, size: int, eps: float, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(size, eps, device, torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            return super().forward(x)
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(
+            x.dtype
+        )
+
+    def add_forward(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype == self.weight.dtype:
+            return super().add_forward(x, delta)
+        x = x + delta
+        return x, self.forward(x)
+
+
 class Gemma3MLP(LlamaMLP):
     """gate_up and down as Llama's, gated by GELU (tanh) rather than SiLU."""
 
@@ -108,14 +140,16 @@ class Gemma3DecoderLayer(nn.Module):
     def __init__(self, spec: LlamaSpec, window: int | None, scale: float, device, dtype) -> None:
         super().__init__()
         eps, size = spec.rms_norm_eps, spec.hidden_size
-        self.input_layernorm = RMSNorm(size, eps, device, dtype)
+        self.input_layernorm = Gemma3RMSNorm(size, eps, device, dtype)
         self.self_attn = LlamaAttention(spec, device, dtype)
         self.self_attn.scale = scale
         self.self_attn.window = window
-        self.post_attention_layernorm = RMSNorm(size, eps, device, dtype)
-        self.pre_feedforward_layernorm = RMSNorm(size, eps, device, dtype)
+        self.self_attn.q_norm = Gemma3RMSNorm(spec.head_dim, eps, device, dtype)
+        self.self_attn.k_norm = Gemma3RMSNorm(spec.head_dim, eps, device, dtype)
+        self.post_attention_layernorm = Gemma3RMSNorm(size, eps, device, dtype)
+        self.pre_feedforward_layernorm = Gemma3RMSNorm(size, eps, device, dtype)
         self.mlp = Gemma3MLP(spec, device, dtype)
-        self.post_feedforward_layernorm = RMSNorm(size, eps, device, dtype)
+        self.post_feedforward_layernorm = Gemma3RMSNorm(size, eps, device, dtype)
 
     def forward(
         self, rope: Rope, hidden, delta, kv_cache: KVCache, meta, backend
@@ -143,7 +177,7 @@ class Gemma3Model(nn.Module):
             Gemma3DecoderLayer(spec, window, layout.attention_scale, device, dtype)
             for window in layout.windows
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
+        self.norm = Gemma3RMSNorm(spec.hidden_size, spec.rms_norm_eps, device, dtype)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -207,9 +241,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         hidden = self.model.embed_tokens(input_ids) * self.embed_scale  # [T, E], fresh
         ropes = (self.rotary.lookup(positions), self.rotary_local.lookup(positions))
         delta = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            rope = ropes[layer.self_attn.window is not None]
-            hidden, delta = layer(rope, hidden, delta, kv_cache, meta, backend)
+        layers = zip(self.model.layers, kv_caches, self.layout.local, strict=True)
+        for layer, kv_cache, is_local in layers:
+            hidden, delta = layer(ropes[is_local], hidden, delta, kv_cache, meta, backend)
         out = self.model.norm.add_forward(hidden, delta)[1]
         return out if output_rows is None else out[output_rows]
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from engine.runtime.attention.torch_ref import TorchRefBackend
 from engine.runtime.loader import (
     DEFAULT_MODEL_NAME,
     ModelNotFoundError,
+    eos_token_ids,
     load_model,
     resolve_max_model_len,
     resolve_model_dir,
@@ -244,7 +246,8 @@ def test_a_packaged_model_is_served_by_its_name(tmp_path, monkeypatch):
     source = resolve_model_source(EngineConfig(model="TINY-Packaged", cache_dir=str(cache_dir)))
     assert source.name == "tiny-packaged"
     assert source.gguf_path == cache_dir / "models" / "gguf" / "fake.gguf"
-    assert source.model_dir == cache_dir / "models" / "tiny-packaged"
+    # converted under the assembled file's digest: another pinned file converts afresh
+    assert source.model_dir == cache_dir / "models" / f"tiny-packaged-{fake.assembled_sha256[:12]}"
     loaded = load("tiny-packaged", cache_dir=str(cache_dir))  # both reused: no new assembly
     assert (loaded.name, loaded.tokenizer_path) == ("tiny-packaged", str(source.model_dir))
     assert len(assemble_calls(fake)) == 1
@@ -255,3 +258,13 @@ def test_a_local_directory_wins_over_a_packaged_name(tiny_llama_dir, tmp_path, m
     monkeypatch.chdir(tmp_path)
     source = resolve_model_source(EngineConfig(model="gemma-3-270m"))
     assert (source.model_dir, source.gguf_path) == (Path("gemma-3-270m"), None)
+
+
+@pytest.mark.parametrize(
+    ("architecture", "expected"), [("Gemma3ForCausalLM", (1, 106)), ("LlamaForCausalLM", (1,))]
+)
+def test_gemmas_end_of_turn_stops_like_eos(tmp_path, architecture, expected):
+    tokenizer = {"added_tokens": [{"content": "<end_of_turn>", "id": 106}], "model": {"vocab": {}}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = SimpleNamespace(architectures=[architecture], eos_token_id=1)
+    assert eos_token_ids(tmp_path, config) == expected

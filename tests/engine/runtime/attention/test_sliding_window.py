@@ -1,6 +1,6 @@
 """Sliding-window attention (Gemma 3's local layers) on the CPU backends: the torch reference and
 the native paged kernel at every build level this CPU runs, against a dense float64 oracle
-(window_reference.py) and against each other.
+(paged_reference.windowed_reference) and against each other.
 
 A query at position p sees keys max(0, p - W + 1) .. p. The cases put windows below, at and
 above the context, with contexts and windows ending exactly on a block edge or one past it, in
