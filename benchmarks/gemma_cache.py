@@ -142,7 +142,7 @@ async def _first_token(
     client: httpx.AsyncClient, base_url: str, model: str, messages: list[dict]
 ) -> serving.RequestResult:
     config = serving.BenchmarkConfig(base_url=base_url, model=model, max_tokens=TTFT_MAX_TOKENS)
-    body = serving._request_body(config, model, messages, TTFT_MAX_TOKENS)  # the client's body
+    body = serving.request_body(config, model, messages, TTFT_MAX_TOKENS)  # the client's body
     result = serving.RequestResult(conversation_id=0, turn=0)
     return await serving.stream_chat(client, f"{base_url}/chat/completions", body, result)
 

@@ -83,7 +83,7 @@ class BenchmarkConfig:
 # ---------------------------------------------------------------- client
 
 
-def _request_body(
+def request_body(
     config: BenchmarkConfig, model: str, messages: list[dict], max_tokens: int
 ) -> dict:
     body = {
@@ -189,7 +189,7 @@ async def _run_conversation(
         if turn > 0 and pauses[turn - 1] > 0:
             await asyncio.sleep(pauses[turn - 1])  # outside the limiter: a reader holds no slot
         messages.append({"role": "user", "content": user})
-        body = _request_body(config, model, list(messages), max_tokens)
+        body = request_body(config, model, list(messages), max_tokens)
         result = RequestResult(conversation.conversation_id, turn)
         if limiter is None:
             await stream_chat(client, f"{config.base_url}/chat/completions", body, result)

@@ -27,11 +27,16 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
+def _registered(architectures: Sequence[str] | None) -> type[nn.Module] | None:
+    """Our class for the first supported name in an HF config's `architectures`, or None."""
+    return next((_REGISTRY[n] for n in architectures or () if n in _REGISTRY), None)
+
+
 def get_model_class(architectures: Sequence[str] | None) -> type[nn.Module]:
     """The class for the first supported name in an HF config's `architectures` list."""
-    for name in architectures or ():
-        if name in _REGISTRY:
-            return _REGISTRY[name]
+    found = _registered(architectures)
+    if found is not None:
+        return found
     named = ", ".join(architectures or ()) or "(none listed in config.json)"
     raise UnsupportedArchitectureError(
         f"unsupported model architecture {named}; supported: {', '.join(supported_architectures())}"
@@ -41,16 +46,10 @@ def get_model_class(architectures: Sequence[str] | None) -> type[nn.Module]:
 def implements_sliding_window(architectures: Sequence[str] | None) -> bool:
     """Whether our class for these architectures attends within a sliding window itself (the
     others keep the context at the window, where full attention is exact)."""
-    for name in architectures or ():
-        if name in _REGISTRY:
-            return bool(getattr(_REGISTRY[name], "implements_sliding_window", False))
-    return False
+    return bool(getattr(_registered(architectures), "implements_sliding_window", False))
 
 
 def turn_end_tokens(architectures: Sequence[str] | None) -> tuple[str, ...]:
     """Tokens that end a chat turn besides EOS for these architectures (the engine stops on
     them): Gemma's <end_of_turn>; none for the others."""
-    for name in architectures or ():
-        if name in _REGISTRY:
-            return tuple(getattr(_REGISTRY[name], "turn_end_tokens", ()))
-    return ()
+    return tuple(getattr(_registered(architectures), "turn_end_tokens", ()))
