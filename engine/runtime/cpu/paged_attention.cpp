@@ -144,12 +144,52 @@ inline __m512 pair_ones(__m512 x, __m512 y) {
 }
 
 // Whether a tile's partial sums (three levels of kGroup vectors) and two K rows fit the 32
-// registers; larger head groups and dims sum token by token.
+// registers. Past it, at D 128 and 256, score_tile_wide() takes the rows a vector at a time
+// (D 256 group 4, fp16 cache, 512-token chunk over 1,500 tokens: 2.5x faster with pass 2's
+// slices, on an AMD EPYC Zen 4); at D 64 (group 8) it was slower over short contexts, so
+// groups 6 to 8 there sum token by token.
 template <int kVecs, int kGroup>
 constexpr bool kScoreTiles = 3 * kGroup + 2 * kVecs <= 24;
+template <int kVecs, int kGroup>
+constexpr bool kWideTiles = !kScoreTiles<kVecs, kGroup> && kVecs >= 8;
 
-// scores[g * padded_len + i] = q[g] . k_i for the tile's 16 tokens (i < valid read their rows,
-// the rest repeat row valid - 1), for each of the kGroup query heads.
+// The tree of one tile of 16 tokens for kHeads heads: pair_dots(i, fold) computes the dot
+// products of tokens i and i + 1 for each head h and calls fold(h, pair_eighths(dot i,
+// dot i + 1)); scores[h * padded_len + i] gets each token's sum.
+template <int kHeads, typename PairDots>
+inline void tile_tree(PairDots pair_dots, float* scores, int padded_len) {
+  // Per head, the partial sums of the tile's first 4, 8 and 16 tokens as they are built.
+  __m512 four[kHeads], eight[kHeads], sixteen[kHeads];
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 2
+    for (int p = 0; p < 2; ++p) {
+#pragma GCC unroll 2
+      for (int e = 0; e < 2; ++e) {
+        pair_dots(8 * h + 4 * p + 2 * e, [&](int g, __m512 pair) {
+          four[g] = e == 0 ? pair : pair_quarters(four[g], pair);
+        });
+      }
+      for (int g = 0; g < kHeads; ++g)
+        eight[g] = p == 0 ? four[g] : pair_twos(eight[g], four[g]);
+    }
+    for (int g = 0; g < kHeads; ++g)
+      sixteen[g] = h == 0 ? eight[g] : pair_ones(sixteen[g], eight[g]);
+  }
+  // Lane 4k + j holds token k + 4j: back to token order.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int g = 0; g < kHeads; ++g)
+    _mm512_storeu_ps(scores + g * padded_len, _mm512_permutexvar_ps(order, sixteen[g]));
+}
+
+// The rows of a tile's token i: i < valid read their own, the rest repeat row valid - 1.
+template <typename C>
+inline const C* tile_row(const C* k, int64_t slot_stride, int valid, int i) {
+  return k + (i < valid ? i : valid - 1) * slot_stride;
+}
+
+// scores[g * padded_len + i] = q[g] . k_i for the tile's 16 tokens, for each of the kGroup
+// query heads; the queries and two K rows in registers.
 template <typename C, int kVecs, int kGroup>
 inline void score_tile(const vfloat (&q)[kGroup][kVecs], const C* k, int64_t slot_stride,
                        int valid, float* scores, int padded_len) {
@@ -159,38 +199,84 @@ inline void score_tile(const vfloat (&q)[kGroup][kVecs], const C* k, int64_t slo
     return reinterpret_cast<__m512>(d);
   };
   auto row_at = [&](int i, vfloat (&row)[kVecs]) {
-    const C* r = k + (i < valid ? i : valid - 1) * slot_stride;
+    const C* r = tile_row(k, slot_stride, valid, i);
     for (int v = 0; v < kVecs; ++v) row[v] = load(r + v * kLanes);
   };
-  // Per head, the partial sums of the tile's first 4, 8 and 16 tokens as they are built.
-  __m512 four[kGroup], eight[kGroup], sixteen[kGroup];
-#pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) {
-#pragma GCC unroll 2
-    for (int p = 0; p < 2; ++p) {
-#pragma GCC unroll 2
-      for (int e = 0; e < 2; ++e) {
-        const int i = 8 * h + 4 * p + 2 * e;
-        vfloat a[kVecs], b[kVecs];
-        row_at(i, a);
-        row_at(i + 1, b);
-        for (int g = 0; g < kGroup; ++g) {
-          const __m512 pair = pair_eighths(dot(g, a), dot(g, b));
-          four[g] = e == 0 ? pair : pair_quarters(four[g], pair);
-        }
-      }
-      for (int g = 0; g < kGroup; ++g)
-        eight[g] = p == 0 ? four[g] : pair_twos(eight[g], four[g]);
+  auto pair_dots = [&](int i, auto fold) {
+    vfloat a[kVecs], b[kVecs];
+    row_at(i, a);
+    row_at(i + 1, b);
+    for (int g = 0; g < kGroup; ++g) fold(g, pair_eighths(dot(g, a), dot(g, b)));
+  };
+  tile_tree<kGroup>(pair_dots, scores, padded_len);
+}
+
+// score_tile() past the register budget, for heads g0 to g0 + kHeads - 1 of q: a pair of
+// tokens' dot products are built a vector at a time, each head's query vector read from L1,
+// so eight chains run side by side (kHeads 4) in 26 registers. Each chain is the token-by-token
+// loop's, q[g][0] k[0] then + q[g][v] k[v] in order, unrolled as that loop is: GCC then fuses
+// the products into the same FMAs (rolled, its first FMA pairs them otherwise: other bits).
+template <typename C, int kVecs, int kGroup, int kHeads>
+inline void score_tile_heads(const vfloat (&q)[kGroup][kVecs], int g0, const C* k,
+                             int64_t slot_stride, int valid, float* scores, int padded_len) {
+  auto pair_dots = [&](int i, auto fold) {
+    const C* a = tile_row(k, slot_stride, valid, i);
+    const C* b = tile_row(k, slot_stride, valid, i + 1);
+    vfloat da[kHeads], db[kHeads];
+    const vfloat a0 = load(a), b0 = load(b);
+    for (int g = 0; g < kHeads; ++g) {
+      da[g] = q[g0 + g][0] * a0;
+      db[g] = q[g0 + g][0] * b0;
     }
-    for (int g = 0; g < kGroup; ++g)
-      sixteen[g] = h == 0 ? eight[g] : pair_ones(sixteen[g], eight[g]);
+#pragma GCC unroll 16
+    for (int v = 1; v < kVecs; ++v) {
+      const vfloat av = load(a + v * kLanes), bv = load(b + v * kLanes);
+      for (int g = 0; g < kHeads; ++g) {
+        da[g] += q[g0 + g][v] * av;
+        db[g] += q[g0 + g][v] * bv;
+      }
+    }
+    for (int g = 0; g < kHeads; ++g)
+      fold(g, pair_eighths(reinterpret_cast<__m512>(da[g]), reinterpret_cast<__m512>(db[g])));
+  };
+  tile_tree<kHeads>(pair_dots, scores + g0 * padded_len, padded_len);
+}
+
+// The whole group in passes of 4 heads (a head's scores depend on its own query only).
+template <typename C, int kVecs, int kGroup>
+inline void score_tile_wide(const vfloat (&q)[kGroup][kVecs], const C* k, int64_t slot_stride,
+                            int valid, float* scores, int padded_len) {
+  constexpr int kHeads = kGroup < 4 ? kGroup : 4;
+  for (int g0 = 0; g0 + kHeads <= kGroup; g0 += kHeads)
+    score_tile_heads<C, kVecs, kGroup, kHeads>(q, g0, k, slot_stride, valid, scores, padded_len);
+  if constexpr (kGroup % kHeads != 0) {
+    score_tile_heads<C, kVecs, kGroup, kGroup % kHeads>(q, kGroup - kGroup % kHeads, k,
+                                                        slot_stride, valid, scores, padded_len);
   }
-  // Lane 4k + j holds token k + 4j: back to token order.
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  for (int g = 0; g < kGroup; ++g)
-    _mm512_storeu_ps(scores + g * padded_len, _mm512_permutexvar_ps(order, sixteen[g]));
 }
 #endif
+
+// Pass 2's vectors of D per sweep over a block's rows: all of them, but at D 256 with a group
+// of 2 or more (an accumulator of 32 or more vectors, kept on the stack) a slice of 16 / G,
+// whose accumulators stay in registers over the block while its rows stay in L1. Each output
+// lane still adds p[g, t] * v_t in the order of t, so the bits do not depend on the slice.
+template <int kVecs, int kGroup>
+constexpr int kValueSlice = kVecs == 16 && kGroup > 1 ? 16 / kGroup : kVecs;
+
+// part[g][i] += p[g, t] * v_t[i] for t in [start, end), v at row start's first vector of the
+// slice.
+template <typename C, int kGroup, int kSlice>
+inline void accumulate_values(vfloat (&part)[kGroup][kSlice], const C* v, int64_t slot_stride,
+                              const float* scores, int padded_len, int start, int end) {
+  for (int t = start; t < end; ++t, v += slot_stride) {
+    vfloat row[kSlice];
+    for (int i = 0; i < kSlice; ++i) row[i] = load(v + i * kLanes);
+    for (int g = 0; g < kGroup; ++g) {
+      const float p = scores[g * padded_len + t];
+      for (int i = 0; i < kSlice; ++i) part[g][i] += p * row[i];
+    }
+  }
+}
 
 // One task: one sequence (`query`/`out` are its [H, D] rows), KV heads [kv_begin, kv_end).
 // Its first head's passes ask for the rows of heads kv_begin, kv_begin + ask_step, ... (the
@@ -245,13 +331,15 @@ void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* t
       // chunk's rows after its first, or every row when the caller asked for them ahead,
       // Shape::warm): from memory the token-by-token loop is faster
       // (ab_attention.py at batch 1 and 8, 300 positions, on an AMD EPYC Zen 4: each token's
-      // work stands alone, so more of the next rows' loads are in flight at once). Shapes past
-      // the register budget never instantiate score_tile.
-      if constexpr (kScoreTiles<kVecs, kGroup>) {
+      // work stands alone, so more of the next rows' loads are in flight at once).
+      if constexpr (kScoreTiles<kVecs, kGroup> || kWideTiles<kVecs, kGroup>) {
         if ((!cold || s.warm) && s.block_size % kLanes == 0) {
           for (int t = start; t < end; t += kLanes, k += kLanes * slot_stride) {
             const int valid = end - t < kLanes ? end - t : kLanes;
-            score_tile<C, kVecs, kGroup>(q, k, slot_stride, valid, scores + t, padded_len);
+            if constexpr (kScoreTiles<kVecs, kGroup>)
+              score_tile<C, kVecs, kGroup>(q, k, slot_stride, valid, scores + t, padded_len);
+            else
+              score_tile_wide<C, kVecs, kGroup>(q, k, slot_stride, valid, scores + t, padded_len);
           }
           continue;
         }
@@ -278,12 +366,18 @@ void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* t
       const int ahead = end + (lead - 1) * s.block_size;
       if (ask && ahead < seq_len)
         prefetch_rows(v_cache, table[ahead / s.block_size], kv, ask_step, s, kHeadDim);
-      for (int t = start; t < end; ++t, v += slot_stride) {
-        vfloat row[kVecs];
-        for (int i = 0; i < kVecs; ++i) row[i] = load(v + i * kLanes);
-        for (int g = 0; g < kGroup; ++g) {
-          const float p = scores[g * padded_len + t];
-          for (int i = 0; i < kVecs; ++i) acc[g][i] += p * row[i];
+      if constexpr (kValueSlice<kVecs, kGroup> == kVecs) {
+        accumulate_values<C, kGroup, kVecs>(acc, v, slot_stride, scores, padded_len, start, end);
+      } else {
+        constexpr int kSlice = kValueSlice<kVecs, kGroup>;
+        for (int i0 = 0; i0 < kVecs; i0 += kSlice) {
+          vfloat part[kGroup][kSlice];
+          for (int g = 0; g < kGroup; ++g)
+            for (int i = 0; i < kSlice; ++i) part[g][i] = acc[g][i0 + i];
+          accumulate_values<C, kGroup, kSlice>(part, v + i0 * kLanes, slot_stride, scores,
+                                               padded_len, start, end);
+          for (int g = 0; g < kGroup; ++g)
+            for (int i = 0; i < kSlice; ++i) acc[g][i0 + i] = part[g][i];
         }
       }
       start = end;

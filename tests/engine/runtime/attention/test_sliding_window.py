@@ -161,6 +161,26 @@ def test_head_dim_256(
     assert len(calls) == (3 if is_native else 0)  # native: the decodes and both chunks in it
 
 
+@pytest.mark.parametrize("window", [40, None])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_head_dim_256_scores_the_same_bits_in_tiles_as_token_by_token(
+    native, group: int, block_size: int, window: int | None
+) -> None:
+    """A chunk's rows after its first find their context in cache and, on AVX-512, score it in
+    16-token tiles (paged_attention.cpp, score_tile_wide at D 256); the same query as a decode
+    of its own, cold, scores it token by token: the same bits, full and partial tiles."""
+    cached, new = 70, 30
+    batch = make_paged_batch([(cached, new)], 0, block_size, group, 1, 256, seed=group)
+    chunk = run(native, batch, window)
+    for row in (1, 9, new - 1):
+        meta = make_metadata([(cached + row, 1)], 1, batch.block_ids, [0])
+        scale = 256**-0.5
+        query = batch.query[row : row + 1]
+        decode = native.forward(query, batch.k_cache, batch.v_cache, meta, scale, window)
+        assert torch.equal(decode[0], chunk[row]), row
+
+
 @pytest.mark.parametrize("window", [17, 512, None])
 def test_native_matches_the_torch_reference(native, window: int | None) -> None:
     batch = make_paged_batch(GEMMA_CHUNKS, 4, 16, 4, 1, 256, dtype=torch.bfloat16, seed=7)
