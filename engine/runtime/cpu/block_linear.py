@@ -156,6 +156,24 @@ class BlockLinear(nn.Module):
         )
 
 
+class BlockLinearParts(nn.Module):
+    """A fused projection whose row parts are stored in different formats (Gemma 3's q and k
+    in Q5_0 beside v in Q8_0): one BlockLinear per run of rows of one format, their outputs
+    side by side. Each output column is computed as its part's own call computes it."""
+
+    def __init__(self, parts: list[BlockLinear]) -> None:
+        super().__init__()
+        if len({part.in_features for part in parts}) != 1:
+            raise ValueError("the parts of a fused projection must share their input")
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+        self.bias = None  # each part holds its own
+
+    def forward(self, x: torch.Tensor, tile_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.cat([part(x, tile_rows) for part in self.parts], dim=-1)
+
+
 class GreedyHead:
     """Each row's greedy token under a Q8_0 panel LM head, without computing all of its logits.
 
@@ -254,6 +272,20 @@ def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
 
     blocks = quantize(weight.detach().float().numpy(), GGMLQuantizationType.Q8_0)
     return BlockWeight("Q8_0", torch.from_numpy(np.ascontiguousarray(blocks)), weight.shape[1])
+
+
+def format_runs(weights: list[BlockWeight]) -> list[BlockWeight] | None:
+    """The rows of `weights` in order as runs of one format each (adjacent weights of a format
+    concatenated); None when their row lengths differ."""
+    if any(w.in_features != weights[0].in_features for w in weights):
+        return None
+    runs: list[list[BlockWeight]] = []
+    for weight in weights:
+        if runs and runs[-1][0].format == weight.format:
+            runs[-1].append(weight)
+        else:
+            runs.append([weight])
+    return [concat_rows(run) for run in runs]
 
 
 def concat_rows(weights: list[BlockWeight]) -> BlockWeight | None:

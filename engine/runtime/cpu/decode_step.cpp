@@ -1,14 +1,17 @@
 // One step's layer stack in native code: for T tokens, each attending as a decode query at its
 // own position (block_tables [T, *] and seq_lens [T] per token, so decode rows and prefill
-// chunks alike), every Llama layer (RMSNorm with the residual add, the fused q/k/v projection, rope with the KV
-// store, paged attention, the output projection, RMSNorm, gate/up, SiLU-and-multiply, down)
-// and the final norm, with no interpreter between the ops. Each op is the library's own entry
+// chunks alike), every Llama layer (RMSNorm with the residual add, the fused q/k/v projection,
+// rope with the KV store, paged attention, the output projection, RMSNorm, gate/up,
+// SiLU-and-multiply, down) and the final norm, with no interpreter between the ops. Gemma 3's
+// layer is the same with its additions (engine/runtime/models/gemma3.py): q/k norms before rope,
+// the attention and MLP outputs normed before their residual adds, GELU-tanh for SiLU, and per
+// layer a sliding window and the local or global rope table. Each op is the library's own entry
 // point (kvshare_native.h), the same the torch model calls one by one, in the same order on the
 // same buffers: so the step computes exactly what the module-by-module forward computes
 // (engine/runtime/models/llama.py), which stays the reference.
 //
 // fp32 activations, KV caches in fp32, fp16 or bf16 (dims' kv_dtype, a cache dtype code),
-// projections held as GGUF blocks, no biases, no q/k norms:
+// projections held as GGUF blocks, no biases:
 // engine/runtime/cpu/decode_step.py checks those before it calls here, and keeps the buffers
 // (preallocated per batch-size bucket) and the per-layer pointer table.
 
@@ -24,27 +27,40 @@ namespace {
 // The model's shape and the step's, as decode_step.py packs them (int64 each, in this order).
 struct Dims {
   int64_t tokens, hidden, inter, heads, kv_heads, head_dim, layers, block_size, max_blocks,
-      num_slots, kv_dtype;
+      num_slots, kv_dtype, activation;
 };
+constexpr int64_t kGeluTanh = 1;  // Dims::activation: 0 SiLU, 1 GELU (tanh)
 
-// One layer's tensors, as decode_step.py packs them: 8 addresses, then 4 GGML format codes.
+// One layer's tensors, as decode_step.py packs them: 14 addresses (norms null where the layer
+// has none; qkv1 and qkv2 null unless q/k/v come in parts of different formats); then per layer
+// 10 int32 (kLayerInts).
 struct Layer {
   const float* input_norm;
-  const float* post_norm;
+  const float* post_norm;  // the norm before the MLP (Gemma's pre_feedforward_layernorm)
   const uint8_t* qkv;
   const uint8_t* o;
   const uint8_t* gate_up;
   const uint8_t* down;
   void* k_cache;  // of the cache's type (Dims::kv_dtype)
   void* v_cache;
+  const float* q_norm;         // per head, before rope
+  const float* k_norm;
+  const float* attn_out_norm;  // the attention's output, before its residual add
+  const float* mlp_out_norm;   // the MLP's output, before its residual add
+  const uint8_t* qkv1;         // the fused q/k/v rows' second and third runs of one format
+  const uint8_t* qkv2;
 };
-constexpr int kLayerFields = 8;
-constexpr int kLayerFormats = 4;  // qkv, o, gate_up, down
+constexpr int kLayerFields = 14;
+// qkv (its first part), o, gate_up, down formats; the window (0: none); 1 for the local rope;
+// the formats of qkv's second and third parts; the rows of its first and second parts.
+constexpr int kLayerInts = 10;
+constexpr int kWindow = 4, kLocalRope = 5, kQkvFormats = 6, kQkvRows = 8;
 
 // The step's activations: every buffer [tokens, *] fp32, owned by the caller; tile_rows
 // [tokens]: each row's projection path (kvshare_block_linear_rows), or null.
 struct Buffers {
   float *normed, *qkv, *q, *attn, *delta, *gate_up, *act;
+  float* part;  // [tokens, qkv width]: a part of q/k/v (BlockLinearParts) before it is placed
   int32_t* tile_rows;
 };
 
@@ -53,17 +69,43 @@ Layer layer_at(const int64_t* table, int i) {
   return {reinterpret_cast<const float*>(p[0]),   reinterpret_cast<const float*>(p[1]),
           reinterpret_cast<const uint8_t*>(p[2]), reinterpret_cast<const uint8_t*>(p[3]),
           reinterpret_cast<const uint8_t*>(p[4]), reinterpret_cast<const uint8_t*>(p[5]),
-          reinterpret_cast<void*>(p[6]),          reinterpret_cast<void*>(p[7])};
+          reinterpret_cast<void*>(p[6]),          reinterpret_cast<void*>(p[7]),
+          reinterpret_cast<const float*>(p[8]),   reinterpret_cast<const float*>(p[9]),
+          reinterpret_cast<const float*>(p[10]),  reinterpret_cast<const float*>(p[11]),
+          reinterpret_cast<const uint8_t*>(p[12]), reinterpret_cast<const uint8_t*>(p[13])};
 }
 
-// The fused q/k/v projection of normed, then rope on q (-> b.q) and K/V stored, for all rows.
+// The fused q/k/v projection of normed, q and k normed per head where the layer has q/k
+// norms, then rope on q (-> b.q) and K/V stored, for all rows.
 int project_and_store(const Dims& d, const Layer& w, const int32_t* formats, const Buffers& b,
-                      const float* cos, const float* sin, const int64_t* slots, int threads) {
+                      const float* cos, const float* sin, const int64_t* slots, float eps,
+                      int threads) {
   const int T = static_cast<int>(d.tokens), E = static_cast<int>(d.hidden);
   const int64_t qkv_width = (d.heads + 2 * d.kv_heads) * d.head_dim;
-  int status = kvshare_block_linear_rows(formats[0], b.normed, w.qkv, b.qkv, T, E, qkv_width,
+  int status = 0;
+  if (w.qkv1 == nullptr) {
+    status = kvshare_block_linear_rows(formats[0], b.normed, w.qkv, b.qkv, T, E, qkv_width,
+                                       threads, b.tile_rows);
+  } else {
+    // Each part into b.part, then into its columns of qkv: the columns the module path's
+    // BlockLinearParts concatenates.
+    const uint8_t* parts[3] = {w.qkv, w.qkv1, w.qkv2};
+    const int64_t first = formats[kQkvRows], second = formats[kQkvRows + 1];
+    const int64_t widths[3] = {first, second, qkv_width - first - second};
+    const int codes[3] = {formats[0], formats[kQkvFormats], formats[kQkvFormats + 1]};
+    for (int p = 0, column = 0; p < 3 && status == 0; column += widths[p], ++p) {
+      if (parts[p] == nullptr) continue;
+      status = kvshare_block_linear_rows(codes[p], b.normed, parts[p], b.part, T, E, widths[p],
                                          threads, b.tile_rows);
+      for (int t = 0; status == 0 && t < T; ++t)
+        std::memcpy(b.qkv + t * qkv_width + column, b.part + t * widths[p],
+                    widths[p] * sizeof(float));
+    }
+  }
   if (status) return status;
+  if (w.q_norm != nullptr)
+    kvshare_qk_norm(kFloat32, b.qkv, qkv_width, w.q_norm, w.k_norm, T, d.heads, d.kv_heads,
+                    d.head_dim, eps, threads);
   status = kvshare_rope_store(kFloat32, static_cast<int>(d.kv_dtype), b.qkv, qkv_width, cos, sin,
                               slots, b.q, w.k_cache, w.v_cache, T, d.heads, d.kv_heads,
                               d.head_dim, d.num_slots, threads);
@@ -76,12 +118,13 @@ int project_and_store(const Dims& d, const Layer& w, const int32_t* formats, con
 int attend_and_project(const Dims& d, const Layer& w, const int32_t* formats, const Buffers& b,
                        int rows, const int32_t* block_tables, const int32_t* seq_lens,
                        float scale, bool warm, int threads) {
+  const int window = formats[kWindow];
   const int E = static_cast<int>(d.hidden);
   const int64_t q_width = d.heads * d.head_dim;
   const int status = kvshare_paged_decode_warm(
       kFloat32, static_cast<int>(d.kv_dtype), b.q, w.k_cache, w.v_cache, block_tables, seq_lens,
       b.attn, rows, d.heads, d.kv_heads, d.head_dim, d.block_size, d.max_blocks, scale, threads,
-      warm, /*window=*/0);
+      warm, window);
   if (status) return 20 + status;
   return kvshare_block_linear_rows(formats[1], b.attn, w.o, b.delta, rows, q_width, E, threads,
                                    b.tile_rows);
@@ -129,7 +172,10 @@ int mlp(const Dims& d, const Layer& w, const int32_t* formats, const Buffers& b,
                                            2 * d.inter, threads, b.tile_rows,
                                            next.starts.data(), split, next.bytes);
   if (status) return status;
-  kvshare_silu_mul(kFloat32, b.gate_up, b.act, T, I, threads);
+  if (d.activation == kGeluTanh)
+    kvshare_gelu_tanh_mul(kFloat32, b.gate_up, b.act, T, I, threads);
+  else
+    kvshare_silu_mul(kFloat32, b.gate_up, b.act, T, I, threads);
   return kvshare_block_linear_asking(formats[3], b.act, w.down, b.delta, T, I, E, threads,
                                      b.tile_rows, next.starts.data() + split, count - split,
                                      next.bytes);
@@ -153,16 +199,18 @@ extern "C" {
 
 int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int32_t* formats,
                           const int64_t* buffers, float* hidden, float* out, const float* cos,
-                          const float* sin, const int64_t* slots, int32_t* block_tables,
+                          const float* sin, const float* cos_local, const float* sin_local,
+                          const int64_t* slots, int32_t* block_tables,
                           int32_t* seq_lens, int32_t* tile_rows, const int64_t* keep,
                           int64_t keep_rows,
                           const float* final_norm, float eps, float scale, int threads) {
-  const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4], dims[5],
-               dims[6], dims[7], dims[8], dims[9], dims[10]};
+  const Dims d{dims[0], dims[1], dims[2], dims[3], dims[4],  dims[5],
+               dims[6], dims[7], dims[8], dims[9], dims[10], dims[11]};
   const Buffers b{reinterpret_cast<float*>(buffers[0]), reinterpret_cast<float*>(buffers[1]),
                   reinterpret_cast<float*>(buffers[2]), reinterpret_cast<float*>(buffers[3]),
                   reinterpret_cast<float*>(buffers[4]), reinterpret_cast<float*>(buffers[5]),
-                  reinterpret_cast<float*>(buffers[6]), tile_rows};
+                  reinterpret_cast<float*>(buffers[6]), reinterpret_cast<float*>(buffers[7]),
+                  tile_rows};
   const int E = static_cast<int>(d.hidden);
   const bool trim = keep_rows >= 0;
   for (int64_t j = 0; trim && j < keep_rows; ++j)
@@ -170,13 +218,16 @@ int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int3
   int rows = static_cast<int>(d.tokens);
   for (int i = 0; i < d.layers; ++i) {
     const Layer w = layer_at(layers, i);
-    const int32_t* f = formats + int64_t{i} * kLayerFormats;
+    const int32_t* f = formats + int64_t{i} * kLayerInts;
     if (i == 0)
       kvshare_rms_norm(kFloat32, hidden, w.input_norm, b.normed, d.tokens, E, eps, threads);
     else
       kvshare_add_rms_norm(kFloat32, hidden, b.delta, w.input_norm, b.normed, d.tokens, E, eps,
                            threads);
-    int status = project_and_store(d, w, f, b, cos, sin, slots, threads);
+    const bool local = f[kLocalRope] != 0;
+    if (local && cos_local == nullptr) return 4;
+    int status = project_and_store(d, w, f, b, local ? cos_local : cos, local ? sin_local : sin,
+                                   slots, eps, threads);
     if (status) return 100 * (i + 1) + status;
     if (trim && i + 1 == d.layers) {  // past the K/V store only the kept rows matter
       compact_rows(b.q, d.heads * d.head_dim, keep, keep_rows);
@@ -190,9 +241,11 @@ int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int3
     // Warm after an MLP that asked: the layer before's gate/up and down are panels (Companion
     // is the panel kernels').
     const bool warm =
-        i > 0 && f[2 - kLayerFormats] > kPanelCode && f[3 - kLayerFormats] > kPanelCode;
+        i > 0 && f[2 - kLayerInts] > kPanelCode && f[3 - kLayerInts] > kPanelCode;
     status = attend_and_project(d, w, f, b, rows, block_tables, seq_lens, scale, warm, threads);
     if (status) return 100 * (i + 1) + status;
+    if (w.attn_out_norm != nullptr)
+      kvshare_rms_norm(kFloat32, b.delta, w.attn_out_norm, b.delta, rows, E, eps, threads);
     kvshare_add_rms_norm(kFloat32, hidden, b.delta, w.post_norm, b.normed, rows, E, eps,
                          threads);
     thread_local NextBlocks next;  // reused: no allocation once grown
@@ -200,6 +253,8 @@ int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int3
     if (i + 1 < d.layers) find_next_blocks(d, layer_at(layers, i + 1), block_tables, seq_lens, next);
     status = mlp(d, w, f, b, rows, next, threads);
     if (status) return 100 * (i + 1) + status;
+    if (w.mlp_out_norm != nullptr)
+      kvshare_rms_norm(kFloat32, b.delta, w.mlp_out_norm, b.delta, rows, E, eps, threads);
   }
   kvshare_add_rms_norm(kFloat32, hidden, b.delta, final_norm, out, rows, E, eps, threads);
   return 0;

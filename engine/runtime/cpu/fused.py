@@ -1,6 +1,7 @@
 """The Llama block's elementwise ops fused on the CPU: RMSNorm (alone or after the residual
-add), SiLU-and-multiply, rope (alone or on q and k with the KV store), the LM head's
-matrix-vector product for a few rows, and greedy sampling's argmax.
+add, or per head on q and k), SiLU-and-multiply (GELU-tanh-and-multiply for Gemma), rope
+(alone or on q and k with the KV store), the LM head's matrix-vector product for a few rows,
+and greedy sampling's argmax.
 
 In torch each is a chain of small ops (an RMSNorm is eight, a rope seven), which at 32
 decoding sequences cost more in dispatch and passes over memory than in arithmetic. The
@@ -53,6 +54,44 @@ class CpuFusedOps:
             num_tokens, inter, torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """gate_up [T, 2I] -> gelu_tanh(gate) * up [T, I], as Gemma3MLP.forward."""
+        if not _covers(gate_up, 2) or gate_up.shape[1] % (2 * _LANES):
+            return None
+        num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((num_tokens, inter), dtype=gate_up.dtype)
+        self._library.kvshare_gelu_tanh_mul(
+            DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
+            num_tokens, inter, torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def qk_norm(
+        self,
+        qkv: torch.Tensor,  # [T, (H + 2 Hkv) * D], the fused projection's output
+        num_heads: int,
+        num_kv_heads: int,
+        q_weight: torch.Tensor,  # [D]
+        k_weight: torch.Tensor,
+        eps: float,
+    ) -> bool:
+        """Each query head of qkv normed by q_weight and each key head by k_weight, in place,
+        as RMSNorm.forward on q and k computes them; False (nothing touched) where the kernel
+        does not cover the call."""
+        head_dim = q_weight.shape[0]
+        if not (_covers(qkv, 2) and _covers(q_weight, 1) and _covers(k_weight, 1)):
+            return False
+        if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+            return False
+        if k_weight.shape != q_weight.shape or not qkv.dtype == q_weight.dtype == k_weight.dtype:
+            return False
+        self._library.kvshare_qk_norm(
+            DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), q_weight.data_ptr(),
+            k_weight.data_ptr(), qkv.shape[0], num_heads, num_kv_heads, head_dim, eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return True
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """x [T, heads, D] (rows may be a strided view), cos/sin [T, 1, D/2] -> rotated x,

@@ -1,6 +1,6 @@
-// The Llama block's fused ops: RMSNorm alone or after the residual add, SiLU-and-mul, rope
-// alone or with the KV store, a few-row matrix-vector product for the LM head, and each row's
-// argmax. Built and called as paged_attention.cpp is (engine/runtime/cpu/native.py).
+// The Llama block's fused ops: RMSNorm alone or after the residual add, q/k norms per head,
+// SiLU-and-mul (GELU-tanh-and-mul for Gemma), rope alone or with the KV store, a few-row
+// matrix-vector product for the LM head, and each row's argmax. Built and called as paged_attention.cpp is (engine/runtime/cpu/native.py).
 
 #include <omp.h>
 
@@ -39,23 +39,42 @@ inline vfloat round_as<bf16>(vfloat v) {
   return bitcast<vfloat>(bits & 0xffff0000u);
 }
 
-// out = weight * to_T(x * rsqrt(mean(x^2) + eps)), statistics in fp32 (LlamaRMSNorm).
+// out = weight * to_T(x * rsqrt(mean(x^2) + eps)) for one row of dim, statistics in fp32
+// (LlamaRMSNorm); out may be x.
+template <typename T>
+inline void norm_row(const T* row, const T* weight, T* out, int dim, float eps) {
+  vfloat squares = splat(0.f);
+  for (int i = 0; i < dim; i += kLanes) {
+    const vfloat v = load(row + i);
+    squares += v * v;
+  }
+  const float inv_rms = 1.f / std::sqrt(sum(squares) / dim + eps);
+  for (int i = 0; i < dim; i += kLanes) {
+    const vfloat normed = round_as<T>(load(row + i) * inv_rms);
+    store(load(weight + i) * normed, out + i);
+  }
+}
+
 template <typename T>
 void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int dim, float eps,
               int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * dim >= kParallelMin)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* row = x + r * dim;
-    vfloat squares = splat(0.f);
-    for (int i = 0; i < dim; i += kLanes) {
-      const vfloat v = load(row + i);
-      squares += v * v;
-    }
-    const float inv_rms = 1.f / std::sqrt(sum(squares) / dim + eps);
-    for (int i = 0; i < dim; i += kLanes) {
-      const vfloat normed = round_as<T>(load(row + i) * inv_rms);
-      store(load(weight + i) * normed, out + r * dim + i);
-    }
+  for (int64_t r = 0; r < rows; ++r) norm_row(x + r * dim, weight, out + r * dim, dim, eps);
+}
+
+// q/k norms (Qwen3, Gemma 3), in place on the fused rows qkv [T, (H + 2 Hkv) D] (token stride
+// row_stride): each of the H query heads normed by q_weight [D], each of the Hkv key heads by
+// k_weight [D], every head a row of rms_norm(); V untouched.
+template <typename T>
+void qk_norm(T* qkv, int64_t row_stride, const T* q_weight, const T* k_weight, int64_t tokens,
+             int heads, int kv_heads, int head_dim, float eps, int num_threads) {
+  const int per_token = heads + kv_heads;
+#pragma omp parallel for num_threads(num_threads) if (tokens * per_token * head_dim >= kParallelMin)
+  for (int64_t i = 0; i < tokens * per_token; ++i) {
+    const int64_t t = i / per_token;
+    const int h = static_cast<int>(i % per_token);
+    T* row = qkv + t * row_stride + int64_t{h} * head_dim;
+    norm_row(row, h < heads ? q_weight : k_weight, row, head_dim, eps);
   }
 }
 
@@ -70,6 +89,29 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads
       const vfloat g = load(gate + i);
       const vint negative = g < 0.f;
       const vfloat e = exp_nonpositive(select(negative, g, -g));  // e^-|g|, never overflows
+      const vfloat sigmoid = select(negative, e / (1.f + e), 1.f / (1.f + e));
+      store(round_as<T>(g * sigmoid) * load(up + i), out + r * inter + i);
+    }
+  }
+}
+
+// gate_up [rows, 2I] -> out [rows, I] = to_T(gelu_tanh(gate)) * up, gelu_tanh(g) =
+// g / 2 (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3) (F.gelu(approximate="tanh"), Gemma's
+// MLP), taken as g sigmoid(2y) (the same function): with e = e^(-2|y|), e / (1 + e) below 0 and
+// 1 / (1 + e) above, so no 1 + tanh cancels (torch's fp32 tail loses most of its bits there;
+// this stays within a few ulp of the float64 value).
+template <typename T>
+void gelu_tanh_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads) {
+  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = gate_up + r * 2 * inter;
+    const T* up = gate + inter;
+    for (int i = 0; i < inter; i += kLanes) {
+      const vfloat g = load(gate + i);
+      const vfloat y = (g + g * g * g * 0.044715f) * k;
+      const vint negative = y < 0.f;
+      const vfloat e = exp_nonpositive(select(negative, y, -y) * 2.f);  // e^-2|y|
       const vfloat sigmoid = select(negative, e / (1.f + e), 1.f / (1.f + e));
       store(round_as<T>(g * sigmoid) * load(up + i), out + r * inter + i);
     }
@@ -273,6 +315,28 @@ int kvshare_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, in
   return with_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
     silu_mul(static_cast<const T*>(gate_up), static_cast<T*>(out), rows, inter, num_threads);
+    return 0;
+  });
+}
+
+int kvshare_gelu_tanh_mul(int dtype, const void* gate_up, void* out, int64_t rows, int inter,
+                          int num_threads) {
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    gelu_tanh_mul(static_cast<const T*>(gate_up), static_cast<T*>(out), rows, inter,
+                  num_threads);
+    return 0;
+  });
+}
+
+int kvshare_qk_norm(int dtype, void* qkv, int64_t row_stride, const void* q_weight,
+                    const void* k_weight, int64_t tokens, int heads, int kv_heads, int head_dim,
+                    float eps, int num_threads) {
+  return with_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    qk_norm(static_cast<T*>(qkv), row_stride, static_cast<const T*>(q_weight),
+            static_cast<const T*>(k_weight), tokens, heads, kv_heads, head_dim, eps,
+            num_threads);
     return 0;
   });
 }

@@ -3,9 +3,11 @@
 A Llama-family GGUF names its tensors blk.{i}.attn_q.weight and so on; each maps to one of our
 fused parameters (q, k, v rows stack into qkv_proj, gate and up into gate_up_proj). llama.cpp's
 converter reorders the rows of q and k within each head for its rope layout; the HF layout is
-restored here by moving whole rows, which leaves every block intact. Tensors in a format
-the block kernels have no kernel for, or fused parts of different formats, are left out: the
-caller keeps those layers on the dequantized weights and says so in the log.
+restored here by moving whole rows, which leaves every block intact. A fused projection whose
+parts come in different formats (Gemma 3's v in Q8_0 beside q and k in Q5_0) maps to a tuple of
+BlockWeights, one per run of rows of one format (BlockLinearParts computes it). Tensors in a
+format the block kernels have no kernel for are left out: the caller keeps those layers on the
+dequantized weights and says so in the log.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.runtime.cpu.block_linear import BLOCK_FORMATS, BlockWeight, concat_rows
+from engine.runtime.cpu.block_linear import BLOCK_FORMATS, BlockWeight, format_runs
 
 # GGUF tensor name (after blk.{i}.) -> (our module under layers.{i}, part index in the fused rows)
 _LAYER_TENSORS = {
@@ -33,7 +35,8 @@ _TOP_TENSORS = {"token_embd": "model.embed_tokens", "output": "lm_head"}
 def read_blocks(
     path: Path, num_heads: int, num_kv_heads: int, qk_rows_interleaved: bool = True
 ) -> tuple[dict, dict[str, str]]:
-    """({module name: BlockWeight}, {GGUF tensor or module: why it has no block kernel}).
+    """({module name: BlockWeight, or a tuple of them for a fused projection of several
+    formats}, {GGUF tensor or module: why it has no block kernel}).
 
     Module names are those of LlamaForCausalLM (model.layers.0.self_attn.qkv_proj, lm_head,
     model.embed_tokens). qk_rows_interleaved: the file holds q and k in llama.cpp's rope layout
@@ -79,11 +82,11 @@ def _fuse(parts: dict[str, dict[int, BlockWeight]], skipped: dict[str, str]) -> 
         if len(by_part) != expected:
             skipped[module] = "a fused part has no block kernel"
             continue
-        weight = concat_rows([by_part[i] for i in range(expected)])
-        if weight is None:
-            skipped[module] = "its fused parts differ in format"
+        runs = format_runs([by_part[i] for i in range(expected)])
+        if runs is None:
+            skipped[module] = "its fused parts differ in row length"
             continue
-        fused[module] = weight
+        fused[module] = runs[0] if len(runs) == 1 else tuple(runs)
     return fused
 
 

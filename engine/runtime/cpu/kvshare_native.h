@@ -101,6 +101,17 @@ int kvshare_add_rms_norm(int dtype, void* x, const void* delta, const void* weig
 int kvshare_silu_mul(int dtype, const void* gate_up, void* out, int64_t rows, int inter,
                      int num_threads);
 
+// gate_up [rows, 2 inter] -> out [rows, inter] = gelu_tanh(gate) * up (Gemma's MLP).
+int kvshare_gelu_tanh_mul(int dtype, const void* gate_up, void* out, int64_t rows, int inter,
+                          int num_threads);
+
+// q/k norms in place on the fused rows qkv [T, (H + 2 Hkv) D] (token stride row_stride): each
+// query head's D values normed as kvshare_rms_norm does a row, times q_weight [D]; each key
+// head's times k_weight [D]; V untouched.
+int kvshare_qk_norm(int dtype, void* qkv, int64_t row_stride, const void* q_weight,
+                    const void* k_weight, int64_t tokens, int heads, int kv_heads, int head_dim,
+                    float eps, int num_threads);
+
 // Rotate-half rope: x [T, heads, head_dim] (token stride row_stride), cos / sin [T, D / 2] ->
 // out [T, heads, head_dim] contiguous.
 int kvshare_rope(int dtype, const void* x, int64_t row_stride, const void* cos, const void* sin,
@@ -183,13 +194,19 @@ int kvshare_greedy_head_fast(void);
 
 // ---- A step's layer stack (decode_step.cpp) ----
 
-// Every Llama layer and the final norm for T tokens, each a decode query at its own position.
-// dims: 11 int64 (tokens, hidden, inter, heads, kv_heads, head_dim, layers, block_size,
-// max_blocks, num_slots, kv_dtype); layers [layers, 8] int64 addresses (input_norm, post_norm,
-// qkv, o, gate_up, down, k_cache, v_cache); formats [layers, 4] (qkv, o, gate_up, down);
-// buffers: 7 addresses of [T, *] fp32 scratch (normed, qkv, q, attn, delta, gate_up, act).
-// hidden [T, E]: the embedded tokens in, the residual stream out; out [T, E]: the final-normed
-// rows (LlamaForCausalLM.forward's result). block_tables [T, max_blocks], seq_lens [T] and
+// Every Llama (or Gemma 3) layer and the final norm for T tokens, each a decode query at its
+// own position. dims: 12 int64 (tokens, hidden, inter, heads, kv_heads, head_dim, layers,
+// block_size, max_blocks, num_slots, kv_dtype, activation: 0 SiLU, 1 GELU-tanh); layers
+// [layers, 14] int64 addresses (input_norm, post_norm: the norm before the MLP, qkv, o,
+// gate_up, down, k_cache, v_cache, then q_norm, k_norm, attn_out_norm, mlp_out_norm: 0 where
+// the layer has none, then qkv's second and third parts: 0 unless its rows come in runs of
+// different formats); formats [layers, 10] int32 (qkv, o, gate_up, down format codes, the
+// sliding window or 0, 1 for the local rope table, qkv's second and third parts' format codes,
+// the rows of its first and second parts); buffers: 8 addresses of [T, *] fp32 scratch
+// (normed, qkv, q, attn, delta, gate_up, act, part: as wide as qkv). hidden [T, E]: the embedded tokens in, the
+// residual stream out; out [T, E]: the final-normed rows (the model's forward result). cos /
+// sin [T, D / 2]: the rope of each token's position; cos_local / sin_local: the local rope's
+// (null where no layer takes it). block_tables [T, max_blocks], seq_lens [T] and
 // slots [T]: each token's; tile_rows: null, or [T] each row's projection path (see
 // kvshare_block_linear_rows). keep: the rows whose final-normed row is wanted, strictly
 // increasing (keep_rows of them), or keep_rows -1 for all: the last layer then stores every
@@ -197,10 +214,11 @@ int kvshare_greedy_head_fast(void);
 // order (each op computes a row alone, so a kept row has the bits it has in the whole step;
 // hidden, block_tables, seq_lens and tile_rows are compacted in place). Else the failing op's
 // status (block linear's 1-2, rope store's + 10, paged decode's + 20) plus 100 * (layer + 1);
-// 3: keep not strictly increasing within [0, T).
+// 3: keep not strictly increasing within [0, T); 4: a local-rope layer without its table.
 int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int32_t* formats,
                           const int64_t* buffers, float* hidden, float* out, const float* cos,
-                          const float* sin, const int64_t* slots, int32_t* block_tables,
+                          const float* sin, const float* cos_local, const float* sin_local,
+                          const int64_t* slots, int32_t* block_tables,
                           int32_t* seq_lens, int32_t* tile_rows, const int64_t* keep,
                           int64_t keep_rows, const float* final_norm, float eps, float scale,
                           int threads);

@@ -42,6 +42,7 @@ from engine.runtime.cpu import capabilities
 from engine.runtime.cpu.block_linear import (
     BlockEmbedding,
     BlockLinear,
+    BlockLinearParts,
     GreedyHead,
     quantize_q8_0,
     to_panels,
@@ -207,21 +208,33 @@ def _replace_with_blocks(model: nn.Module, blocks: dict, library) -> int:
     Weights of the formats the panel kernels compute are reordered into panels first (the
     same bytes; 1.7-2.5x faster than GGUF's row order, benchmarks/README.md)."""
     tied = model.lm_head is None
-    blocks = {name: to_panels(weight) for name, weight in blocks.items()}
+    blocks = {
+        name: tuple(map(to_panels, weight)) if isinstance(weight, tuple) else to_panels(weight)
+        for name, weight in blocks.items()
+    }
     for name, weight in blocks.items():
         if tied and name == "lm_head":
             continue  # the checkpoint's own head is unused when the config ties it
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, child)
-        if isinstance(old, nn.Embedding):
-            expected, new = old.weight.shape, BlockEmbedding(weight, library)
-        else:
-            expected, new = old.weight.shape, BlockLinear(weight, old.bias, library)
-        if tuple(expected) != (weight.out_features, weight.in_features):
+        parts = weight if isinstance(weight, tuple) else (weight,)
+        shape = (sum(w.out_features for w in parts), parts[0].in_features)
+        if tuple(old.weight.shape) != shape:
             raise ValueError(
-                f"GGUF tensor for {name} is {tuple(weight.data.shape)} bytes, "
-                f"expected a {tuple(expected)} weight"
+                f"GGUF tensor for {name} holds a {shape} weight, "
+                f"expected a {tuple(old.weight.shape)} one"
+            )
+        if isinstance(old, nn.Embedding):
+            new = BlockEmbedding(weight, library)
+        elif len(parts) == 1:
+            new = BlockLinear(weight, old.bias, library)
+        else:  # a fused projection of several formats: a BlockLinear per run of rows
+            ends = torch.tensor([w.out_features for w in parts]).cumsum(0).tolist()
+            biases = [None if old.bias is None else old.bias[end - w.out_features : end]
+                      for w, end in zip(parts, ends, strict=True)]  # fmt: skip
+            new = BlockLinearParts(
+                [BlockLinear(w, b, library) for w, b in zip(parts, biases, strict=True)]
             )
         setattr(parent, child, new)
     if tied and "model.embed_tokens" in blocks:

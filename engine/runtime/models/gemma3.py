@@ -131,8 +131,13 @@ class Gemma3RMSNorm(RMSNorm):
 class Gemma3MLP(LlamaMLP):
     """gate_up and down as Llama's, gated by GELU (tanh) rather than SiLU."""
 
+    activation = "gelu_tanh"
+
     def forward(self, x: torch.Tensor, tile_rows: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = _project(self.gate_up_proj, x, tile_rows).chunk(2, dim=-1)  # [T, I] each
+        gate_up = _project(self.gate_up_proj, x, tile_rows)  # [T, 2I]
+        if self.fused is not None and (act := self.fused.gelu_tanh_mul(gate_up)) is not None:
+            return _project(self.down_proj, act, tile_rows)
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return _project(self.down_proj, F.gelu(gate, approximate="tanh").mul_(up), tile_rows)
 
 
@@ -219,7 +224,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.lm_head = None
         if not spec.tie_word_embeddings:
             self.lm_head = _linear(spec.hidden_size, spec.vocab_size, False, device, dtype)
-        self.native_decode = None  # NativeDecodeStep computes the Llama layer only
+        self.native_decode = None  # set by use_native_decode()
         self.greedy_head = None
 
     @property
@@ -239,6 +244,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:
         """The final-normed hidden rows [T, E] (or [R, E] of output_rows), K/V written for all."""
         hidden = self.model.embed_tokens(input_ids) * self.embed_scale  # [T, E], fresh
+        if self.native_decode is not None:  # every layer in one native call
+            out = self.native_decode.run(hidden, positions, meta, kv_caches, output_rows)
+            if out is not None:
+                return out
         ropes = (self.rotary.lookup(positions), self.rotary_local.lookup(positions))
         delta = None
         layers = zip(self.model.layers, kv_caches, self.layout.local, strict=True)
@@ -251,17 +260,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         logits = super().compute_logits(hidden)
         cap = self.layout.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def use_fused_ops(self, ops) -> None:
-        """As Llama's, but the MLP keeps its GELU (the fused kernel is SiLU-and-mul)."""
-        super().use_fused_ops(ops)
-        for module in self.modules():
-            if isinstance(module, Gemma3MLP):
-                module.fused = None
-
-    def use_native_decode(self, step) -> None:
-        """The native whole-step path computes Llama layers only: Gemma runs module by module."""
-        self.native_decode = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Llama's loading, then (1 + w) folded into every norm weight once."""

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.runtime.attention.base import AttentionBackend, AttentionMetadata
-from engine.runtime.cpu.block_linear import BlockLinear
+from engine.runtime.cpu.block_linear import BlockLinear, BlockLinearParts
 from engine.runtime.cpu.decode_step import NativeDecodeStep
 from engine.runtime.cpu.fused import CpuFusedOps
 from engine.runtime.cpu.linear import PackedLinear, pack_linears
@@ -136,7 +136,13 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = _project(self.qkv_proj, x, meta.tile_rows)  # [T, (H + 2Hkv) * D]
         k_cache, v_cache = kv_cache
-        if self.fused is not None and self.q_norm is None:
+        normed = self.q_norm is None  # q and k as rope takes them
+        if self.fused is not None and not normed:  # q/k norms in place on qkv, one native pass
+            normed = self.fused.qk_norm(
+                qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
+                self.q_norm.eps,
+            )  # fmt: skip
+        if self.fused is not None and normed:
             # Rope on q and k and the KV store in one native pass (four calls otherwise).
             q = self.fused.rope_store(
                 qkv, self.num_heads, *rope, k_cache, v_cache, meta.slot_mapping
@@ -148,7 +154,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if not normed:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, rope), self._rope(k, rope)
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -164,12 +170,14 @@ class LlamaAttention(nn.Module):
 def _project(linear: nn.Module, x: torch.Tensor, tile_rows: torch.Tensor | None) -> torch.Tensor:
     """linear(x); a block projection takes each row's kernel path from the step (tile_rows,
     AttentionMetadata), any other the one it has."""
-    if tile_rows is not None and isinstance(linear, BlockLinear):
+    if tile_rows is not None and isinstance(linear, BlockLinear | BlockLinearParts):
         return linear(x, tile_rows)
     return linear(x)
 
 
 class LlamaMLP(nn.Module):
+    activation = "silu"  # the gate's (NativeDecodeStep reads it)
+
     def __init__(self, spec: LlamaSpec, device, dtype) -> None:
         super().__init__()
         size = spec.intermediate_size

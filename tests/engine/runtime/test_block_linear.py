@@ -21,8 +21,10 @@ from engine.runtime.cpu.block_linear import (
     PANEL_FORMATS,
     BlockEmbedding,
     BlockLinear,
+    BlockLinearParts,
     BlockWeight,
     concat_rows,
+    format_runs,
     quantize_q8_0,
     to_panels,
     to_rows,
@@ -305,6 +307,25 @@ def test_block_weights_refuse_rows_that_are_not_whole_blocks() -> None:
         BlockWeight("Q4_K", torch.zeros(2, 144, dtype=torch.uint8), 128)
     with pytest.raises(ValueError):
         BlockWeight("Q8_0", torch.zeros(2, 33, dtype=torch.uint8), 32)
+
+
+def test_format_runs_and_parts_compute_a_fused_projection_of_mixed_formats(library) -> None:
+    """Gemma 3's q and k in Q5_0 beside v in Q8_0: the rows fall into one run a format (adjacent
+    parts of one format joined), and BlockLinearParts gives each run's own columns: F.linear on
+    the dequantized rows, each part bit for bit as its BlockLinear alone."""
+    q, k = random_blocks("Q5_0", 32, 64, seed=20), random_blocks("Q5_0", 16, 64, seed=21)
+    v = random_blocks("Q8_0", 16, 64, seed=22)
+    runs = format_runs([q, k, v])
+    assert [(run.format, run.out_features) for run in runs] == [("Q5_0", 48), ("Q8_0", 16)]
+    assert format_runs([q, random_blocks("Q8_0", 16, 96, seed=23)]) is None  # rows differ
+    parts = [BlockLinear(to_panels(run), None, library) for run in runs]
+    fused = BlockLinearParts(parts)
+    assert (fused.in_features, fused.out_features) == (64, 64)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    got = fused(x)
+    assert torch.equal(got, torch.cat([part(x) for part in parts], dim=-1))
+    dense = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])
+    torch.testing.assert_close(got, F.linear(x, dense), atol=1e-4, rtol=1e-4)
 
 
 def test_concat_rows_stacks_parts_of_one_format_only() -> None:

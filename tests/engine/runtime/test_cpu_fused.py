@@ -60,6 +60,48 @@ def test_silu_mul(ops: CpuFusedOps, dtype: torch.dtype, num_tokens: int) -> None
 
 
 @DTYPES
+@pytest.mark.parametrize("num_tokens", [1, 33, 400])
+def test_gelu_tanh_mul(ops: CpuFusedOps, dtype: torch.dtype, num_tokens: int) -> None:
+    """Gemma's gate against GELU-tanh in float64, rounded where Gemma3MLP's torch code rounds.
+    Written as g sigmoid(2y): torch's g / 2 (1 + tanh(y)) cancels below g = -3 (wrong in the
+    leading digit in fp32, 0 for g < -7 even in float64), which the kernel does not."""
+    gate_up = randn(num_tokens, 2 * 160, dtype=dtype) * 4
+    gate_up[0, :16] = torch.tensor([1e-6, -1e-6, 1e-3, -1e-3, 0.0, 9.0, -9.0, 30.0] * 2)
+    gate, up = gate_up.chunk(2, dim=-1)
+    g = gate.double()
+    gelu = g * torch.sigmoid(2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3))
+    assert_matches(ops.gelu_tanh_mul(gate_up), gelu.to(dtype) * up)
+    tail = gate > -3  # where torch's own formula keeps its bits
+    assert_matches(ops.gelu_tanh_mul(gate_up)[tail], (F.gelu(gate, approximate="tanh") * up)[tail])
+
+
+@DTYPES
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_qk_norm_is_rms_norm_on_each_head_in_place(
+    ops: CpuFusedOps, dtype: torch.dtype, num_tokens: int
+) -> None:
+    """Query heads by q's weight, key heads by k's, V untouched; each head's values exactly what
+    the fused rms_norm gives the same rows, and the torch RMSNorm's to rounding."""
+    heads, kv_heads, head_dim = 4, 2, 64
+    qkv = randn(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype) * 3
+    q_weight = randn(head_dim, dtype=dtype, seed=1).abs() + 0.5
+    k_weight = randn(head_dim, dtype=dtype, seed=2).abs() + 0.5
+    before = qkv.clone()
+    assert ops.qk_norm(qkv, heads, kv_heads, q_weight, k_weight, 1e-6)
+    q, k, v = before.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    for part, out, weight in ((q, qkv[:, : heads * head_dim], q_weight),
+                              (k, qkv[:, heads * head_dim : (heads + kv_heads) * head_dim],
+                               k_weight)):  # fmt: skip
+        rows = part.reshape(-1, head_dim)
+        assert torch.equal(out.reshape(-1, head_dim), ops.rms_norm(rows, weight, 1e-6))
+        norm = RMSNorm(head_dim, 1e-6, torch.device("cpu"), dtype)
+        norm.weight.data = weight
+        assert_matches(out.reshape(-1, head_dim), norm(rows))
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v)
+    assert not ops.qk_norm(qkv[:, :-16], heads, kv_heads, q_weight, k_weight, 1e-6)
+
+
+@DTYPES
 @pytest.mark.parametrize("num_tokens", [1, 5, 300])
 def test_rope_on_a_strided_view(ops: CpuFusedOps, dtype: torch.dtype, num_tokens: int) -> None:
     heads, head_dim = 3, 64

@@ -1,7 +1,9 @@
 """The native decode step (engine/runtime/cpu/decode_step.cpp) against the torch model it
-replaces: the same block-quantized tiny Llama, module by module through the fused ops, is the
-reference; the native step must give the same hidden rows and write the same KV, bit for bit,
-and decline every step or model it does not compute exactly."""
+replaces: the same block-quantized tiny model (Llama; Qwen3 with its q/k norms; Gemma 3 with its
+four norms a layer, GELU-tanh, sliding windows of 8 positions and two rope tables), module by
+module through the fused ops, is the reference; the native step must give the same hidden rows
+and write the same KV, bit for bit, and decline every step or model it does not compute
+exactly."""
 
 from __future__ import annotations
 
@@ -9,15 +11,23 @@ import itertools
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from engine.core.batch import ScheduledSeq
 from engine.core.config import EngineConfig
 from engine.runtime.attention import cpu_native
 from engine.runtime.cpu import quant
-from engine.runtime.cpu.block_linear import BlockLinear
+from engine.runtime.cpu.block_linear import (
+    BlockLinear,
+    BlockLinearParts,
+    BlockWeight,
+    quantize_q8_0,
+)
 from engine.runtime.cpu.capabilities import available_isa_levels
 from engine.runtime.cpu.decode_step import NativeDecodeStep
 from engine.runtime.cpu.fused import CpuFusedOps
@@ -32,6 +42,20 @@ pytestmark = [
 ]
 CPU = torch.device("cpu")
 BLOCK_SIZE = 8
+# The layers the step computes: Llama's, and Gemma 3's (q/k norms, four norms, GELU-tanh, its
+# window of 8 positions crossed by every test's longer sequences, two rope tables), here with
+# its q/k/v rows in two formats (BlockLinearParts) as the real GGUF has 9 of its 18 layers;
+# Qwen3's (Llama's with q/k norms) and Gemma's with one fused q/k/v in the wanted-rows test.
+FAMILIES = ["llama", "gemma3-mixed"]
+
+
+def family_model(library, make_tiny_model, family: str, **overrides):
+    arch, _, variant = family.partition("-")
+    directory = make_tiny_model(arch, head_dim=64, **overrides)
+    model = block_model(library, directory, mixed_qkv=variant == "mixed")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, BlockLinearParts if variant == "mixed" else BlockLinear)
+    return model
 
 
 @pytest.fixture(scope="module", params=available_isa_levels())
@@ -39,10 +63,25 @@ def library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return load_library(tmp_path_factory.getbasetemp() / "native-kernels", request.param)
 
 
-def block_model(library, model_dir):
-    """The tiny model with Q8_0 projections and head, through the fused ops (no native step)."""
+def block_model(library, model_dir, mixed_qkv: bool = False):
+    """The tiny model with Q8_0 projections and head, through the fused ops (no native step).
+    mixed_qkv: each layer's q and k rows in Q8_0 and its v rows in Q5_0 (BlockLinearParts), as
+    the real Gemma 3 GGUF stores 9 of its 18 layers."""
     model = load_model(EngineConfig(model=str(model_dir)), CPU, torch.float32).model
-    quant._replace_with_blocks(model, quant._q8_0_blocks(model), library)
+    blocks = quant._q8_0_blocks(model)
+    if mixed_qkv:
+        spec = model.spec
+        v_rows = spec.num_kv_heads * spec.head_dim
+        for i, layer in enumerate(model.model.layers):
+            weight = layer.self_attn.qkv_proj.weight.detach()
+            v = np.ascontiguousarray(weight[-v_rows:].numpy())
+            v_blocks = BlockWeight(
+                "Q5_0", torch.from_numpy(quantize(v, GGMLQuantizationType.Q5_0)), v.shape[1]
+            )
+            blocks[f"model.layers.{i}.self_attn.qkv_proj"] = (
+                quantize_q8_0(weight[:-v_rows]), v_blocks
+            )  # fmt: skip
+    quant._replace_with_blocks(model, blocks, library)
     model.use_fused_ops(CpuFusedOps(library))
     return model
 
@@ -103,16 +142,17 @@ def mixed_steps() -> list[tuple[list[ScheduledSeq], int]]:
     ]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("num_rows", [1, 3, 8])
 @pytest.mark.parametrize("block_size", [8, 16], ids=["block-8", "block-16"])
 def test_decode_steps_are_bit_identical_to_the_torch_model(
-    library, make_tiny_model, make_step, tied, num_rows, block_size
+    library, make_tiny_model, make_step, family, tied, num_rows, block_size
 ) -> None:
     """From the second layer on, the native step asks for a layer's K/V during the MLP before
     and then scores decode rows in 16-token tiles (paged_attention.cpp, on AVX-512 with 16-token
     blocks); the torch model's attention scores them token by token: the same bits."""
-    model = block_model(library, make_tiny_model("llama", head_dim=64, tie_word_embeddings=tied))
+    model = family_model(library, make_tiny_model, family, tie_word_embeddings=tied)
     step = NativeDecodeStep.for_model(model, library)
     assert step is not None
     backend = cpu_native.CpuNativeBackend(library)
@@ -146,13 +186,14 @@ def _head_weight(model) -> torch.Tensor:
     return model.lm_head.block_weight.dequantize()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(
     "cache_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
 )
 @pytest.mark.parametrize("two_threads", [False, True], ids=["1-thread", "2-threads"])
 @pytest.mark.parametrize("tile_prompts", [False, True], ids=["fmas", "prompts-on-tiles"])
 def test_prefill_and_mixed_steps_are_bit_identical_to_the_torch_model(
-    library, make_tiny_model, make_step, two_threads, cache_dtype, tile_prompts
+    library, make_tiny_model, make_step, family, two_threads, cache_dtype, tile_prompts
 ) -> None:
     """First chunks, continuation chunks and decodes in one step: every token is a decode
     query at its own position, in the native stack as in the module path's attention; over
@@ -160,7 +201,7 @@ def test_prefill_and_mixed_steps_are_bit_identical_to_the_torch_model(
     prompt tokens' projections on their path (AMX tiles where this build and CPU have them,
     else the prefill GEMM) and the generated tokens' on the FMAs, in runs of either kind
     (tile_rows)."""
-    model = block_model(library, make_tiny_model("llama", head_dim=64))
+    model = family_model(library, make_tiny_model, family)
     step = NativeDecodeStep.for_model(model, library)
     backend = cpu_native.CpuNativeBackend(library)
     steps = mixed_steps()
@@ -195,8 +236,10 @@ def test_models_it_does_not_compute_exactly_are_declined(library, make_tiny_mode
     assert NativeDecodeStep.for_model(small_heads, library) is None
     biased = block_model(library, make_tiny_model("qwen2", head_dim=64))  # q/k/v biases
     assert NativeDecodeStep.for_model(biased, library) is None
-    normed = block_model(library, make_tiny_model("qwen3", head_dim=64))  # q/k norms
-    assert NativeDecodeStep.for_model(normed, library) is None
+    gemma = block_model(library, make_tiny_model("gemma3", head_dim=64))
+    assert NativeDecodeStep.for_model(gemma, library) is not None
+    gemma.model.layers[1].self_attn.scale = 0.5  # one scale a model, as the kernel takes it
+    assert NativeDecodeStep.for_model(gemma, library) is None
 
 
 def test_a_float64_cache_is_declined_untouched(library, make_tiny_model, make_step) -> None:
@@ -217,13 +260,14 @@ def test_a_float64_cache_is_declined_untouched(library, make_tiny_model, make_st
     [lambda lasts: lasts, lambda lasts: [], lambda lasts: [0, *lasts[1:]]],
     ids=["last-rows", "none", "first-and-lasts"],
 )
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_a_steps_wanted_rows_alone_are_the_rows_of_the_whole_step(
-    library, make_tiny_model, make_step, wanted
+    library, make_tiny_model, make_step, wanted, family
 ) -> None:
     """output_rows: the last layer runs past its K/V store on the wanted rows only (a prefill
     chunk's other rows need their K/V and nothing else). Those rows must be the whole step's,
     bit for bit, and every row's K/V must still be stored as the torch model stores it."""
-    model = block_model(library, make_tiny_model("llama", head_dim=64))
+    model = family_model(library, make_tiny_model, family)
     step = NativeDecodeStep.for_model(model, library)
     backend = cpu_native.CpuNativeBackend(library)
     steps = mixed_steps()
