@@ -23,8 +23,8 @@ from app.settings import SettingsError, add_settings_flags, flag_overrides, load
 
 # `kvshare serve`'s exit status when it cannot start: the model (or its tokenizer) cannot load;
 # uvicorn exits with the same (its STARTUP_FAILURE) when the port is taken or the response store
-# cannot open. 2: a bad setting.
-STARTUP_FAILED_EXIT_STATUS = 3
+# cannot open. 2: a bad setting. `kvshare generate` exits with it too when the model cannot load.
+STARTUP_FAILED_EXIT_STATUS = offline.MODEL_LOAD_FAILED_STATUS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         "generate text offline (no HTTP) with the engine settings",
         add_arguments=offline.add_generate_arguments,
         handler=_offline(offline.run_generate),
+        notes="Exit status: 0 once generated; 2 for a bad setting or request; "
+        f"{STARTUP_FAILED_EXIT_STATUS} when the model cannot load (the last line on stderr says "
+        "why).",
     )
     _add_command(
         commands,

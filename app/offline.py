@@ -10,6 +10,8 @@ import sys
 
 from engine.core.intmath import cdiv
 
+# `kvshare generate`'s exit status when the model cannot load (kvshare serve's for the same).
+MODEL_LOAD_FAILED_STATUS = 3
 _CONTEXT_LENGTHS = (1024, 2048, 4096, 8192, 32768, 131072)
 _BATCH_SIZES = (1, 8, 32, 64, 256)
 
@@ -44,8 +46,13 @@ def run_generate(args: argparse.Namespace, engine_config) -> int:
     except ParamError as e:
         print(f"kvshare generate: error: {e.message}", file=sys.stderr)
         return 2
-    engine = LLMEngine(engine_config)
-    tokenizer = Tokenizer(engine.model_info.tokenizer_path)
+    try:
+        engine = LLMEngine(engine_config)
+        tokenizer = Tokenizer(engine.model_info.tokenizer_path)
+    except Exception as exc:  # the model cannot load: why, on the last line of stderr
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        print(f"kvshare generate: error: the model failed to load: {reason}", file=sys.stderr)
+        return MODEL_LOAD_FAILED_STATUS
     prompt_ids = _prompt_ids(tokenizer, args)
     try:
         result = engine.generate([prompt_ids], params)[0]  # validates: the offline edge

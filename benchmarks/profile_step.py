@@ -119,6 +119,8 @@ def _linear_bytes(module) -> int | None:
     blocks = getattr(module, "block_weight", None)
     if blocks is not None and hasattr(module, "out_features"):
         return blocks.data.numel()
+    if type(module).__name__ == "BlockLinearParts":
+        return None  # its parts (BlockLinear modules) count their own blocks
     if not (hasattr(module, "in_features") and hasattr(module, "out_features")):
         return None
     per_weight = _BYTES_PER_WEIGHT.get(type(module).__name__)

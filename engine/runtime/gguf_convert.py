@@ -11,8 +11,9 @@ output equal to transformers'. Any other file is converted by transformers itsel
 
 from __future__ import annotations
 
+import logging
 import math
-import struct
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ import numpy as np
 import torch
 
 from engine.core.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 # Architectures transformers converts through its legacy GGUF loader (load_gguf_checkpoint),
 # which _config_dict and _read_weights reproduce.
@@ -56,26 +59,38 @@ def write_hf_directory(gguf_path: Path, out_dir: Path) -> None:
     if header is None or not _is_fast_path_covered(header):
         write_with_transformers(gguf_path, out_dir)
         return
-    config_dict = _config_dict(header)
-    model = _meta_model(config_dict)
-    _load_weights(model, _read_weights(gguf_path, header, model, config_dict), gguf_path)
-    model.save_pretrained(out_dir)
-    _save_tokenizer(gguf_path, model.config, out_dir)
-    model.generation_config.save_pretrained(out_dir)
+    try:
+        config_dict = _config_dict(header)
+        model = _meta_model(config_dict)
+        _load_weights(model, _read_weights(gguf_path, header, model, config_dict), gguf_path)
+        model.save_pretrained(out_dir)
+        _save_tokenizer(gguf_path, model.config, out_dir)
+        model.generation_config.save_pretrained(out_dir)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # transformers' internals this path uses moved: its own way works
+        logger.warning("fast GGUF conversion failed (%s); converting with transformers", exc)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        write_with_transformers(gguf_path, out_dir)
 
 
 def read_header(gguf_path: Path) -> GgufHeader | None:
     """The file's metadata and tensor table; None where the fast reader cannot parse it (then
     transformers gets the file, and reports what is wrong with it)."""
-    # transformers' own header reader, used below its GgufHeader, which refuses some ggml types
-    # (Q5_0) the legacy loader dequantises.
-    from transformers.integrations.gguf.reader import _mapped, _read_metadata, _read_tensor_table
-
     try:
+        # transformers' own header reader, used below its GgufHeader, which refuses some ggml
+        # types (Q5_0) the legacy loader dequantises. Private: a transformers without it (or
+        # with other signatures) lands here too, and its public conversion runs instead.
+        from transformers.integrations.gguf.reader import (
+            _mapped,
+            _read_metadata,
+            _read_tensor_table,
+        )
+
         blob = _mapped(str(gguf_path))
         metadata, num_tensors, position = _read_metadata(blob, str(gguf_path))
         entries, position = _read_tensor_table(blob, num_tensors, position)
-    except (ValueError, struct.error):
+    except Exception:  # not a GGUF it parses: transformers' conversion says what is wrong
         return None
     alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
     data_start = (position + alignment - 1) // alignment * alignment
@@ -188,6 +203,8 @@ def _dequantize(blob: np.ndarray, data_start: int, tensor: GgufTensor) -> np.nda
 
 
 def _largest_divisor(number: int, at_most: int) -> int:
+    if number == 0:  # an empty tensor: one (empty) row
+        return 1
     return next(d for d in range(min(number, max(at_most, 1)), 0, -1) if number % d == 0)
 
 

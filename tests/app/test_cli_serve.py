@@ -1,5 +1,6 @@
 """`kvshare serve` with a model that cannot load: the process ends with status 3 and the reason
-as the last line of stderr, never a server that is alive and never ready. Real `kvshare serve`
+as the last line of stderr, never a server that is alive and never ready (`kvshare generate`
+alike). Real `kvshare serve`
 processes on 127.0.0.1, each bounded in time."""
 
 from __future__ import annotations
@@ -60,6 +61,21 @@ def test_a_model_that_cannot_load_ends_the_process(tmp_path: Path, make_model, c
     assert last_line.startswith("kvshare serve: error: the model failed to load: ")
     assert cause in last_line
     assert list((tmp_path / "run").glob("kvshare-*/serve-*.json")) == []  # its record is gone
+
+
+def test_generate_ends_alike_when_the_model_cannot_load(tmp_path: Path):
+    model = _unknown_architecture(tmp_path)
+    command = [sys.executable, "-m", "app.cli", "generate", "--model", model, "--prompt", "hi"]
+    command += ["--cache-dir", str(tmp_path / "cache")]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert done.returncode == cli.STARTUP_FAILED_EXIT_STATUS, done.stderr[-4000:]
+    last_line = done.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("kvshare generate: error: the model failed to load: ")
+    assert "unsupported model architecture NoSuchArchForCausalLM" in last_line
+    assert done.stdout == ""
 
 
 def test_the_reason_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys):

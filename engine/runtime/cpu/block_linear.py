@@ -168,7 +168,7 @@ class BlockLinearParts(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(part.out_features for part in parts)
-        self.bias = None  # each part holds its own
+        self.bias = None  # none of its own: each part holds its rows' bias (if any)
 
     def forward(self, x: torch.Tensor, tile_rows: torch.Tensor | None = None) -> torch.Tensor:
         return torch.cat([part(x, tile_rows) for part in self.parts], dim=-1)

@@ -143,7 +143,9 @@ struct NextBlocks {
   int64_t bytes = 0;
 };
 
-void find_next_blocks(const Dims& d, const Layer& next, const int32_t* block_tables,
+// A sliding-window layer's rows read their last `window` positions only: its blocks from the
+// one holding a row's first visible position.
+void find_next_blocks(const Dims& d, const Layer& next, int window, const int32_t* block_tables,
                       const int32_t* seq_lens, NextBlocks& out) {
   out.starts.clear();
   out.bytes = d.block_size * d.kv_heads * d.head_dim * (d.kv_dtype == kFloat32 ? 4 : 2);
@@ -154,7 +156,8 @@ void find_next_blocks(const Dims& d, const Layer& next, const int32_t* block_tab
     if (continues_chunk(block_tables, seq_lens, r, d.max_blocks)) continue;
     const int32_t* table = block_tables + r * d.max_blocks;
     const int64_t blocks = (seq_lens[r] + d.block_size - 1) / d.block_size;
-    for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t first = window > 0 && seq_lens[r] > window ? (seq_lens[r] - window) : 0;
+    for (int64_t b = first / d.block_size; b < blocks; ++b) {
       out.starts.push_back(k_cache + table[b] * out.bytes);
       out.starts.push_back(v_cache + table[b] * out.bytes);
     }
@@ -250,7 +253,10 @@ int kvshare_decode_layers(const int64_t* dims, const int64_t* layers, const int3
                          threads);
     thread_local NextBlocks next;  // reused: no allocation once grown
     next.starts.clear();
-    if (i + 1 < d.layers) find_next_blocks(d, layer_at(layers, i + 1), block_tables, seq_lens, next);
+    if (i + 1 < d.layers) {
+      const int next_window = f[kLayerInts + kWindow];
+      find_next_blocks(d, layer_at(layers, i + 1), next_window, block_tables, seq_lens, next);
+    }
     status = mlp(d, w, f, b, rows, next, threads);
     if (status) return 100 * (i + 1) + status;
     if (w.mlp_out_norm != nullptr)

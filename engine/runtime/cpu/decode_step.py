@@ -47,7 +47,7 @@ class _Bucket:
 
 
 class NativeDecodeStep:
-    """The layer stack of every step for one block-quantized Llama model."""
+    """The layer stack of every step for one block-quantized Llama-family or Gemma 3 model."""
 
     def __init__(self, model: nn.Module, library: ctypes.CDLL) -> None:
         self._model = model
@@ -184,7 +184,7 @@ class NativeDecodeStep:
         return out[: num_tokens if num_keep < 0 else num_keep]
 
     def _layers(self, kv_caches) -> torch.Tensor | None:
-        """The per-layer address table [L, 12], rebuilt only when the caches change."""
+        """The per-layer address table [L, 14], rebuilt only when the caches change."""
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
         if self._layer_table is not None and key == self._caches_key:
             return self._layer_table

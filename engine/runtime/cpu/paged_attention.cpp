@@ -370,6 +370,7 @@ void attend(const T* query, const C* k_cache, const C* v_cache, const int32_t* t
         accumulate_values<C, kGroup, kVecs>(acc, v, slot_stride, scores, padded_len, start, end);
       } else {
         constexpr int kSlice = kValueSlice<kVecs, kGroup>;
+        static_assert(kSlice > 0 && kVecs % kSlice == 0, "slices must tile the head dim");
         for (int i0 = 0; i0 < kVecs; i0 += kSlice) {
           vfloat part[kGroup][kSlice];
           for (int g = 0; g < kGroup; ++g)

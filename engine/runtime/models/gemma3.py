@@ -8,7 +8,9 @@ Each difference is computed as transformers' Gemma3ForCausalLM computes it:
 - four norms per layer: the attention and MLP outputs are normed before their residual adds;
 - q and k are normed per head before rope (as Qwen3's), and attention scales by
   query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5;
-- the MLP gates with GELU (tanh approximation) instead of SiLU;
+- the MLP gates with GELU (tanh approximation) instead of SiLU (on the CPU through the fused
+  kernel: g sigmoid(2y), the same function within a few ulp of float64, where torch's
+  g / 2 (1 + tanh(y)) loses its bits below g = -3);
 - sliding-window layers (config.layer_types) attend to the last `sliding_window` positions
   and rotate with their own rope base; full-attention layers see every position.
 

@@ -318,6 +318,10 @@ def test_format_runs_and_parts_compute_a_fused_projection_of_mixed_formats(libra
     runs = format_runs([q, k, v])
     assert [(run.format, run.out_features) for run in runs] == [("Q5_0", 48), ("Q8_0", 16)]
     assert format_runs([q, random_blocks("Q8_0", 16, 96, seed=23)]) is None  # rows differ
+    three = format_runs([q, v, k])  # a format between two runs of another
+    assert [(run.format, run.out_features) for run in three] == [
+        ("Q5_0", 32), ("Q8_0", 16), ("Q5_0", 16)
+    ]  # fmt: skip
     parts = [BlockLinear(to_panels(run), None, library) for run in runs]
     fused = BlockLinearParts(parts)
     assert (fused.in_features, fused.out_features) == (64, 64)

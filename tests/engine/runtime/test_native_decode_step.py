@@ -45,16 +45,18 @@ BLOCK_SIZE = 8
 # The layers the step computes: Llama's, and Gemma 3's (q/k norms, four norms, GELU-tanh, its
 # window of 8 positions crossed by every test's longer sequences, two rope tables), here with
 # its q/k/v rows in two formats (BlockLinearParts) as the real GGUF has 9 of its 18 layers;
-# Qwen3's (Llama's with q/k norms) and Gemma's with one fused q/k/v in the wanted-rows test.
+# Qwen3's (Llama's with q/k norms), Gemma's with one fused q/k/v and with three runs of two
+# formats in the wanted-rows test.
 FAMILIES = ["llama", "gemma3-mixed"]
 
 
 def family_model(library, make_tiny_model, family: str, **overrides):
     arch, _, variant = family.partition("-")
     directory = make_tiny_model(arch, head_dim=64, **overrides)
-    model = block_model(library, directory, mixed_qkv=variant == "mixed")
+    model = block_model(library, directory, mixed_qkv=variant)
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, BlockLinearParts if variant == "mixed" else BlockLinear)
+    assert isinstance(qkv, BlockLinearParts if variant else BlockLinear)
+    assert len(getattr(qkv, "parts", [qkv])) == {"": 1, "mixed": 2, "mixed3": 3}[variant]
     return model
 
 
@@ -63,27 +65,35 @@ def library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return load_library(tmp_path_factory.getbasetemp() / "native-kernels", request.param)
 
 
-def block_model(library, model_dir, mixed_qkv: bool = False):
+def block_model(library, model_dir, mixed_qkv: str = ""):
     """The tiny model with Q8_0 projections and head, through the fused ops (no native step).
-    mixed_qkv: each layer's q and k rows in Q8_0 and its v rows in Q5_0 (BlockLinearParts), as
-    the real Gemma 3 GGUF stores 9 of its 18 layers."""
+    mixed_qkv "mixed": each layer's q and k rows in Q8_0 and its v rows in Q5_0
+    (BlockLinearParts, two runs), as the real Gemma 3 GGUF stores 9 of its 18 layers; "mixed3":
+    q in Q8_0, k in Q5_0, v in Q8_0 (three runs)."""
     model = load_model(EngineConfig(model=str(model_dir)), CPU, torch.float32).model
     blocks = quant._q8_0_blocks(model)
     if mixed_qkv:
         spec = model.spec
-        v_rows = spec.num_kv_heads * spec.head_dim
+        kv_rows = spec.num_kv_heads * spec.head_dim
+        q_rows = spec.num_heads * spec.head_dim
         for i, layer in enumerate(model.model.layers):
             weight = layer.self_attn.qkv_proj.weight.detach()
-            v = np.ascontiguousarray(weight[-v_rows:].numpy())
-            v_blocks = BlockWeight(
-                "Q5_0", torch.from_numpy(quantize(v, GGMLQuantizationType.Q5_0)), v.shape[1]
+            q, k, v = weight[:q_rows], weight[q_rows:-kv_rows], weight[-kv_rows:]
+            parts = (
+                (quantize_q8_0(weight[:-kv_rows]), _q5_0(v))
+                if mixed_qkv == "mixed"
+                else (quantize_q8_0(q), _q5_0(k), quantize_q8_0(v))
             )
-            blocks[f"model.layers.{i}.self_attn.qkv_proj"] = (
-                quantize_q8_0(weight[:-v_rows]), v_blocks
-            )  # fmt: skip
+            blocks[f"model.layers.{i}.self_attn.qkv_proj"] = parts
     quant._replace_with_blocks(model, blocks, library)
     model.use_fused_ops(CpuFusedOps(library))
     return model
+
+
+def _q5_0(weight: torch.Tensor) -> BlockWeight:
+    rows = np.ascontiguousarray(weight.numpy())
+    data = torch.from_numpy(quantize(rows, GGMLQuantizationType.Q5_0))
+    return BlockWeight("Q5_0", data, rows.shape[1])
 
 
 def caches(model, num_blocks: int = 16, dtype: torch.dtype = torch.float32, block_size=BLOCK_SIZE):
@@ -260,7 +270,7 @@ def test_a_float64_cache_is_declined_untouched(library, make_tiny_model, make_st
     [lambda lasts: lasts, lambda lasts: [], lambda lasts: [0, *lasts[1:]]],
     ids=["last-rows", "none", "first-and-lasts"],
 )
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gemma3-mixed3"])
 def test_a_steps_wanted_rows_alone_are_the_rows_of_the_whole_step(
     library, make_tiny_model, make_step, wanted, family
 ) -> None:

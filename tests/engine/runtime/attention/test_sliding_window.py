@@ -163,19 +163,22 @@ def test_head_dim_256(
 
 @pytest.mark.parametrize("window", [40, None])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_head_dim_256_scores_the_same_bits_in_tiles_as_token_by_token(
-    native, group: int, block_size: int, window: int | None
+@pytest.mark.parametrize(
+    ("head_dim", "group"), [(256, 1), (256, 2), (256, 4), (256, 8), (128, 3), (128, 5), (128, 8)]
+)
+def test_wide_heads_score_the_same_bits_in_tiles_as_token_by_token(
+    native, head_dim: int, group: int, block_size: int, window: int | None
 ) -> None:
     """A chunk's rows after its first find their context in cache and, on AVX-512, score it in
-    16-token tiles (paged_attention.cpp, score_tile_wide at D 256); the same query as a decode
-    of its own, cold, scores it token by token: the same bits, full and partial tiles."""
+    16-token tiles (paged_attention.cpp: score_tile_wide at D 256, and at D 128 past the
+    register budget, groups 3 to 8, in passes of up to 4 heads); the same query as a decode of
+    its own, cold, scores it token by token: the same bits, full and partial tiles."""
     cached, new = 70, 30
-    batch = make_paged_batch([(cached, new)], 0, block_size, group, 1, 256, seed=group)
+    batch = make_paged_batch([(cached, new)], 0, block_size, group, 1, head_dim, seed=group)
     chunk = run(native, batch, window)
     for row in (1, 9, new - 1):
         meta = make_metadata([(cached + row, 1)], 1, batch.block_ids, [0])
-        scale = 256**-0.5
+        scale = head_dim**-0.5
         query = batch.query[row : row + 1]
         decode = native.forward(query, batch.k_cache, batch.v_cache, meta, scale, window)
         assert torch.equal(decode[0], chunk[row]), row
