@@ -45,23 +45,18 @@ class CpuFusedOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """gate_up [T, 2I] -> silu(gate) * up [T, I], as LlamaMLP.forward."""
-        if not _covers(gate_up, 2) or gate_up.shape[1] % (2 * _LANES):
-            return None
-        num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty((num_tokens, inter), dtype=gate_up.dtype)
-        self._library.kvshare_silu_mul(
-            DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
-            num_tokens, inter, torch.get_num_threads(),
-        )  # fmt: skip
-        return out
+        return self._gated(self._library.kvshare_silu_mul, gate_up)
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """gate_up [T, 2I] -> gelu_tanh(gate) * up [T, I], as Gemma3MLP.forward."""
+        return self._gated(self._library.kvshare_gelu_tanh_mul, gate_up)
+
+    def _gated(self, kernel, gate_up: torch.Tensor) -> torch.Tensor | None:
         if not _covers(gate_up, 2) or gate_up.shape[1] % (2 * _LANES):
             return None
         num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((num_tokens, inter), dtype=gate_up.dtype)
-        self._library.kvshare_gelu_tanh_mul(
+        kernel(
             DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(),
             num_tokens, inter, torch.get_num_threads(),
         )  # fmt: skip

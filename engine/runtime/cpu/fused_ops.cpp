@@ -78,44 +78,44 @@ void qk_norm(T* qkv, int64_t row_stride, const T* q_weight, const T* k_weight, i
   }
 }
 
-// gate_up [rows, 2I] -> out [rows, I] = to_T(silu(gate)) * up.
-template <typename T>
-void silu_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads) {
+// sigmoid(z) = e / (1 + e) below 0 and 1 / (1 + e) above, e = e^-|z|: never overflows, and
+// nothing cancels in either tail.
+inline vfloat sigmoid(vfloat z) {
+  const vint negative = z < 0.f;
+  const vfloat e = exp_nonpositive(select(negative, z, -z));
+  return select(negative, e / (1.f + e), 1.f / (1.f + e));
+}
+
+// gate_up [rows, 2I] -> out [rows, I] = to_T(g sigmoid(slope(g))) * up for each gate g: SiLU
+// (slope(g) = g) or GELU-tanh.
+template <typename T, typename Slope>
+void gated_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads, Slope slope) {
 #pragma omp parallel for num_threads(num_threads) if (rows * inter >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = gate_up + r * 2 * inter;
     const T* up = gate + inter;
     for (int i = 0; i < inter; i += kLanes) {
       const vfloat g = load(gate + i);
-      const vint negative = g < 0.f;
-      const vfloat e = exp_nonpositive(select(negative, g, -g));  // e^-|g|, never overflows
-      const vfloat sigmoid = select(negative, e / (1.f + e), 1.f / (1.f + e));
-      store(round_as<T>(g * sigmoid) * load(up + i), out + r * inter + i);
+      store(round_as<T>(g * sigmoid(slope(g))) * load(up + i), out + r * inter + i);
     }
   }
 }
 
-// gate_up [rows, 2I] -> out [rows, I] = to_T(gelu_tanh(gate)) * up, gelu_tanh(g) =
-// g / 2 (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3) (F.gelu(approximate="tanh"), Gemma's
-// MLP), taken as g sigmoid(2y) (the same function): with e = e^(-2|y|), e / (1 + e) below 0 and
-// 1 / (1 + e) above, so no 1 + tanh cancels (torch's fp32 tail loses most of its bits there;
-// this stays within a few ulp of the float64 value).
+// to_T(silu(gate)) * up.
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads) {
+  gated_mul(gate_up, out, rows, inter, num_threads, [](vfloat g) { return g; });
+}
+
+// to_T(gelu_tanh(gate)) * up, gelu_tanh(g) = g / 2 (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715
+// g^3) (F.gelu(approximate="tanh"), Gemma's MLP), taken as g sigmoid(2y), the same function:
+// no 1 + tanh cancels (torch's fp32 tail loses most of its bits below g = -3; this stays within
+// a few ulp of the float64 value).
 template <typename T>
 void gelu_tanh_mul(const T* gate_up, T* out, int64_t rows, int inter, int num_threads) {
   const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-#pragma omp parallel for num_threads(num_threads) if (rows * inter >= kParallelMin)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* gate = gate_up + r * 2 * inter;
-    const T* up = gate + inter;
-    for (int i = 0; i < inter; i += kLanes) {
-      const vfloat g = load(gate + i);
-      const vfloat y = (g + g * g * g * 0.044715f) * k;
-      const vint negative = y < 0.f;
-      const vfloat e = exp_nonpositive(select(negative, y, -y) * 2.f);  // e^-2|y|
-      const vfloat sigmoid = select(negative, e / (1.f + e), 1.f / (1.f + e));
-      store(round_as<T>(g * sigmoid) * load(up + i), out + r * inter + i);
-    }
-  }
+  gated_mul(gate_up, out, rows, inter, num_threads,
+            [k](vfloat g) { return (g + g * g * g * 0.044715f) * k * 2.f; });
 }
 
 // Rotate-half rope of `heads` heads of one token: in [heads, D] -> out [heads, D];
