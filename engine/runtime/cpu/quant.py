@@ -230,9 +230,8 @@ def _replace_with_blocks(model: nn.Module, blocks: dict, library) -> int:
         elif len(parts) == 1:
             new = BlockLinear(weight, old.bias, library)
         else:  # a fused projection of several formats: a BlockLinear per run of rows
-            ends = torch.tensor([w.out_features for w in parts]).cumsum(0).tolist()
-            biases = [None if old.bias is None else old.bias[end - w.out_features : end]
-                      for w, end in zip(parts, ends, strict=True)]  # fmt: skip
+            rows = [w.out_features for w in parts]
+            biases = [None] * len(parts) if old.bias is None else old.bias.split(rows)
             new = BlockLinearParts(
                 [BlockLinear(w, b, library) for w, b in zip(parts, biases, strict=True)]
             )

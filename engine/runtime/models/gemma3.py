@@ -41,7 +41,6 @@ from engine.runtime.models.llama import (
     LlamaSpec,
     RMSNorm,
     _linear,
-    _project,
 )
 from engine.runtime.models.rope import Rope, RotaryEmbedding, rope_inv_freq
 
@@ -135,12 +134,11 @@ class Gemma3MLP(LlamaMLP):
 
     activation = "gelu_tanh"
 
-    def forward(self, x: torch.Tensor, tile_rows: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up = _project(self.gate_up_proj, x, tile_rows)  # [T, 2I]
-        if self.fused is not None and (act := self.fused.gelu_tanh_mul(gate_up)) is not None:
-            return _project(self.down_proj, act, tile_rows)
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-        return _project(self.down_proj, F.gelu(gate, approximate="tanh").mul_(up), tile_rows)
+    def _gate(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")
+
+    def _fused_gate_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        return self.fused.gelu_tanh_mul(gate_up)
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -187,11 +187,17 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, tile_rows: torch.Tensor | None = None) -> torch.Tensor:
         gate_up = _project(self.gate_up_proj, x, tile_rows)  # [T, 2I]
-        if self.fused is not None and (act := self.fused.silu_mul(gate_up)) is not None:
+        if self.fused is not None and (act := self._fused_gate_mul(gate_up)) is not None:
             return _project(self.down_proj, act, tile_rows)
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         # in place: one [T, I] temporary less
-        return _project(self.down_proj, F.silu(gate).mul_(up), tile_rows)
+        return _project(self.down_proj, self._gate(gate).mul_(up), tile_rows)
+
+    def _gate(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate)
+
+    def _fused_gate_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        return self.fused.silu_mul(gate_up)
 
 
 class LlamaDecoderLayer(nn.Module):
