@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub.add_argument("--steps", type=int, default=600, help="decode steps per batch size")
     sub.add_argument("--isa", **isa)
     sub.add_argument("--prompt-tokens", type=int, default=240, help="each prompt's length")
+    sub.add_argument("--model", default=None, help="as kvshare serve --model (default SmolLM2)")
     sub.add_argument(
         "--different-bits",
         action="store_true",

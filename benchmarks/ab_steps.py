@@ -25,13 +25,17 @@ from benchmarks.ab_harness import (
 )
 
 
-def cpu_engine():
-    """An engine of config/cpu.yaml, drafting and the audit off."""
+def cpu_engine(model: str | None = None):
+    """An engine of config/cpu.yaml (on `model`, a `kvshare serve --model` value, where given),
+    drafting and the audit off."""
     from app.settings import load_settings
     from engine.llm_engine import LLMEngine
 
     config = load_settings(REPO / "config" / "cpu.yaml", environ={}).to_engine_config()
-    return LLMEngine(dataclasses.replace(config, audit_sample_rate=0.0, speculative_ngram_tokens=0))
+    config = dataclasses.replace(config, audit_sample_rate=0.0, speculative_ngram_tokens=0)
+    if model is not None:
+        config = dataclasses.replace(config, model=model)
+    return LLMEngine(config)
 
 
 def decode_in_turns(
@@ -231,7 +235,7 @@ def native_step(args: argparse.Namespace) -> int:
     import torch
     from profile_step import read_bandwidth_gbs, weight_bytes
 
-    engine = cpu_engine()
+    engine = cpu_engine(args.model)
     model = engine.runner.model
     entry_points = ("kvshare_decode_layers", _step_head(model)[1])
     with tempfile.TemporaryDirectory() as scratch:

@@ -281,10 +281,15 @@ KVSHARE_AMX_TARGET void amx_panel_row(const float* x, const uint8_t* weight, flo
 int amx_panels_linear(int format, const float* x, const uint8_t* weight, float* out, int rows,
                       int in_features, int64_t out_features, int num_threads,
                       const Companion* companion) {
+  if (!amx_format(format)) return 1;
   return with_panel_format(format, [&](auto tag) {
-    amx_linear<decltype(tag)>(x, weight, out, rows, in_features, out_features, num_threads,
-                              companion);
-    return 0;
+    using P = decltype(tag);
+    if constexpr (P::kSplitScales) {
+      return 1;  // never asked (amx_format): a tile sums a group under one scale
+    } else {
+      amx_linear<P>(x, weight, out, rows, in_features, out_features, num_threads, companion);
+      return 0;
+    }
   });
 }
 

@@ -18,7 +18,7 @@ int linear_on(int format, const float* x, const uint8_t* weight, float* out, int
   if (format > kPanelCode) {
     if (in_features % 32 || out_features % kPanel) return 2;
 #if defined(KVSHARE_AMX_BUILD)
-    if (tiles && amx_supported())
+    if (tiles && amx_supported() && amx_format(format))
       return amx_panels_linear(format, x, weight, out, rows, in_features, out_features,
                                num_threads, companion);
 #else
@@ -32,7 +32,7 @@ int linear_on(int format, const float* x, const uint8_t* weight, float* out, int
 
 // A prompt row's path (kvshare_prompt_path): one per format, build and process.
 int prompt_path(int format) {
-  if (format > kPanelCode && amx_supported()) return kPromptTiles;
+  if (amx_format(format) && amx_supported()) return kPromptTiles;
 #if defined(__AVX512F__)
   if (format > kPanelCode) return kPromptFmas;
 #endif

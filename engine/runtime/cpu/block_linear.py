@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.runtime.cpu.k_panels import PANEL_GROUP_BYTES, dequantize_k_panels, to_k_panels
+
 # GGML's type numbers of the formats the block kernels compute on, with (weights, bytes) per block
 # (kvshare_native.h's format codes).
 BLOCK_FORMATS: dict[str, tuple[int, int, int]] = {
@@ -39,6 +41,10 @@ FORMAT_NAMES = {code: name for name, (code, _, _) in BLOCK_FORMATS.items()}
 PANEL_FORMATS = {"Q4_0": (2,), "Q4_1": (2, 2), "Q5_0": (2, 4), "Q8_0": (2,)}
 PANEL_CODE = 100
 PANEL_COLUMNS = 16  # output columns per panel: the kernels' vector lanes
+# The K-quants also compute as panels, stored per group with their scales applied
+# (engine/runtime/cpu/k_panels.py): not GGUF's bytes moved, and larger by the ratio of
+# PANEL_GROUP_BYTES to their 32-weight share of a super-block.
+K_PANEL_FORMATS = tuple(PANEL_GROUP_BYTES)
 
 
 @dataclass(frozen=True)
@@ -48,14 +54,16 @@ class BlockWeight:
     format: str  # a key of BLOCK_FORMATS
     data: torch.Tensor
     in_features: int
-    # "rows": GGUF's order, each row's blocks in turn; "panels": the same bytes reordered by
-    # to_panels (16 rows' blocks of each 32-weight group side by side), still [out, row bytes].
+    # "rows": GGUF's order, each row's blocks in turn; "panels": reordered by to_panels (16
+    # rows' blocks of each 32-weight group side by side), still [out, row bytes].
     layout: str = "rows"
 
     def __post_init__(self) -> None:
         _, weights, size = BLOCK_FORMATS[self.format]
         if self.in_features % weights or self.data.dtype != torch.uint8 or self.data.dim() != 2:
             raise ValueError(f"{self.format} blocks cannot hold rows of {self.in_features}")
+        if self.layout == "panels" and self.format in PANEL_GROUP_BYTES:
+            weights, size = 32, PANEL_GROUP_BYTES[self.format]
         if self.data.shape[1] != self.in_features // weights * size:
             raise ValueError(f"{self.format} rows of {self.in_features} are not {self.data.shape}")
 
@@ -74,6 +82,8 @@ class BlockWeight:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
+        if self.layout == "panels" and self.format in PANEL_GROUP_BYTES:
+            return dequantize_k_panels(self.format, self.data, self.in_features)
         qtype = GGMLQuantizationType(BLOCK_FORMATS[self.format][0])
         rows = to_rows(self).data.numpy()
         return torch.from_numpy(dequantize(rows, qtype).astype(np.float32))
@@ -84,9 +94,15 @@ def to_panels(weight: BlockWeight) -> BlockWeight:
     its rows come in whole panels; otherwise weight itself. Per 32-weight group of each panel
     of 16 rows: each head field of the 16 rows side by side (the fp16 scales, then Q4_1's
     minimums or Q5_0's fifth bits), then the code bytes transposed ([code byte][row]). A
-    permutation of the same bytes: nothing is rounded."""
+    permutation of the same bytes: nothing is rounded. Q4_K and Q6_K: each group with its scales
+    applied (k_panels.py), the same weights."""
+    if weight.layout != "rows" or weight.out_features % PANEL_COLUMNS:
+        return weight
+    if weight.format in PANEL_GROUP_BYTES:
+        data = to_k_panels(weight.format, weight.data, weight.in_features)
+        return BlockWeight(weight.format, data, weight.in_features, "panels")
     fields = PANEL_FORMATS.get(weight.format)
-    if fields is None or weight.layout != "rows" or weight.out_features % PANEL_COLUMNS:
+    if fields is None:
         return weight
     _, per_block, size = BLOCK_FORMATS[weight.format]
     groups = weight.in_features // per_block
@@ -102,9 +118,12 @@ def to_panels(weight: BlockWeight) -> BlockWeight:
 
 
 def to_rows(weight: BlockWeight) -> BlockWeight:
-    """The GGUF row order of a weight in either layout (to_panels undone)."""
+    """The GGUF row order of a weight in either layout (to_panels undone; not for K-quant
+    panels, whose super-block scales are no longer apart)."""
     if weight.layout == "rows":
         return weight
+    if weight.format not in PANEL_FORMATS:
+        raise ValueError(f"{weight.format} panels do not go back to GGUF's rows")
     _, per_block, size = BLOCK_FORMATS[weight.format]
     groups = weight.in_features // per_block
     panels = weight.data.view(-1, groups, PANEL_COLUMNS * size)

@@ -1,7 +1,7 @@
-// Linear layers on panels (block_kernels.h: the Q4_0, Q4_1, Q5_0 and Q8_0 blocks reordered so
-// that a vector's lanes are 16 output columns) computed on the FMAs: each thread a contiguous
-// run of panels, every row tile over a chunk of kWidePanels of them in turn. amx_panels.cpp
-// computes the same panels on AMX tiles; block_linear.cpp picks which.
+// Linear layers on panels (block_kernels.h: the GGUF blocks laid out so that a vector's lanes
+// are 16 output columns) computed on the FMAs: each thread a contiguous run of panels, every
+// row tile over a chunk of kWidePanels of them in turn. amx_panels.cpp computes the same panels
+// (those amx_format names) on AMX tiles; block_linear.cpp picks which.
 
 #include <omp.h>
 
@@ -117,10 +117,12 @@ void panel_rows(const uint8_t* table, const int64_t* ids, float* out, int rows, 
     for (int g = 0; g < groups; ++g) {
       const uint8_t* block = table + panel * panel_bytes + int64_t{g} * P::kBytes;
       const float d = P::scales(block)[lane], m = P::mins(block)[lane];
+      float d_hi = d;
+      if constexpr (P::kSplitScales) d_hi = P::scales_hi(block)[lane];
       for (int j = 0; j < P::kSteps; ++j) {
         const Codes w = P::codes(block, j);
         y[32 * g + P::lo_k(j)] = w.lo[lane] * d + m;
-        y[32 * g + P::hi_k(j)] = w.hi[lane] * d + m;
+        y[32 * g + P::hi_k(j)] = w.hi[lane] * d_hi + m;
       }
     }
   }

@@ -32,8 +32,8 @@ constexpr int kQ5_0 = 6;
 constexpr int kQ8_0 = 8;
 constexpr int kQ4_K = 12;
 constexpr int kQ6_K = 14;
-// ... and kPanelCode plus one of Q4_0, Q4_1, Q5_0 and Q8_0 for its blocks reordered into
-// panels (engine/runtime/cpu/block_linear.py, to_panels).
+// ... and kPanelCode plus any of them for its blocks as panels (engine/runtime/cpu/
+// block_linear.py, to_panels: Q4_0, Q4_1, Q5_0 and Q8_0 reordered, Q4_K and Q6_K per group).
 constexpr int kPanelCode = 100;
 
 // A prompt row's paths (kvshare_prompt_path).

@@ -113,10 +113,12 @@ struct PanelWeights {
         }
         const uint8_t* block = weight + p * panel_bytes + int64_t{g} * P::kBytes;
         const vfloat d = P::scales(block), m = P::mins(block);
+        vfloat d_hi = d;
+        if constexpr (P::kSplitScales) d_hi = P::scales_hi(block);
         for (int j = 0; j < P::kSteps; ++j) {
           const Codes q = P::codes(block, j);
           at[P::lo_k(j) * kBlockVectors] = dequantized(q.lo, d, m);
-          at[P::hi_k(j) * kBlockVectors] = dequantized(q.hi, d, m);
+          at[P::hi_k(j) * kBlockVectors] = dequantized(q.hi, d_hi, m);
         }
       }
     }

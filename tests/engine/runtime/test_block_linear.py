@@ -18,6 +18,7 @@ from gguf.quants import quantize
 
 from engine.runtime.cpu.block_linear import (
     BLOCK_FORMATS,
+    K_PANEL_FORMATS,
     PANEL_FORMATS,
     BlockEmbedding,
     BlockLinear,
@@ -45,8 +46,10 @@ _HALF_FIELDS = {
     "Q6_K": [(208, 0.0005)],
 }
 FORMATS = list(BLOCK_FORMATS)
-# (format, layout): every format in GGUF's row order, and those with panel kernels as panels.
-LAYOUTS = [(fmt, "rows") for fmt in FORMATS] + [(fmt, "panels") for fmt in PANEL_FORMATS]
+# Every format has panel kernels: the K-quants' panels are stored per group (k_panels.py).
+ALL_PANEL_FORMATS = [*PANEL_FORMATS, *K_PANEL_FORMATS]
+# (format, layout): every format in GGUF's row order and as panels.
+LAYOUTS = [(fmt, "rows") for fmt in FORMATS] + [(fmt, "panels") for fmt in ALL_PANEL_FORMATS]
 
 
 @pytest.fixture(scope="module", params=kernel_paths())
@@ -163,7 +166,7 @@ def test_each_row_takes_the_path_the_step_gives_it(library, fmt: str, layout: st
         layer(x, paths[:-1])
 
 
-@pytest.mark.parametrize("fmt", PANEL_FORMATS)
+@pytest.mark.parametrize("fmt", ALL_PANEL_FORMATS)
 def test_many_rows_read_expanded_panels_with_the_same_bits(library, fmt: str) -> None:
     # From 64 rows a chunk's panels are expanded to fp32 once and read back by every row tile:
     # 70 rows (17 tiles of 4 and one of 2) of 112 outputs (a tile of 4 panels, a pair, one left)
@@ -206,13 +209,24 @@ def test_embedding_rows_are_the_dequantized_rows(library, fmt: str, layout: str)
         table(torch.tensor([num_rows]))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", K_PANEL_FORMATS)
+def test_k_quant_panels_hold_ggufs_weights(fmt: str) -> None:
+    # Per group its scales as fp32 beside the codes: more bytes, the same dequantized weights
+    # (gguf-py's), and no way back to the super-blocks.
+    weight = random_blocks(fmt, 48, in_features_of(fmt, 3), seed=13)
+    panels = to_panels(weight)
+    assert panels.layout == "panels" and panels.code == weight.code + 100
+    per_group = {"Q4_K": 24, "Q6_K": 40}[fmt]
+    assert panels.data.shape == (48, weight.in_features // 32 * per_group)
+    assert torch.equal(panels.dequantize(), weight.dequantize())
+    with pytest.raises(ValueError, match="GGUF's rows"):
+        to_rows(panels)
+
+
+@pytest.mark.parametrize("fmt", PANEL_FORMATS)
 def test_panels_are_the_same_bytes_reordered(fmt: str) -> None:
     weight = random_blocks(fmt, 48, in_features_of(fmt, 3), seed=13)
     panels = to_panels(weight)
-    if fmt not in PANEL_FORMATS:  # K-quants keep GGUF's order
-        assert panels is weight
-        return
     assert panels.data.shape == weight.data.shape and not torch.equal(panels.data, weight.data)
     assert torch.equal(panels.data.flatten().sort().values, weight.data.flatten().sort().values)
     assert torch.equal(to_rows(panels).data, weight.data)

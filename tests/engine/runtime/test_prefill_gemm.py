@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from engine.runtime.cpu.block_linear import BlockLinear, BlockWeight
+from engine.runtime.cpu.block_linear import FORMAT_NAMES, PANEL_FORMATS, BlockLinear, BlockWeight
 from engine.runtime.cpu.capabilities import (
     _V3,
     _V4,
@@ -107,10 +107,12 @@ def test_shapes_and_formats_it_does_not_take_are_refused(library) -> None:
 
 
 def expected_prompt_path(library, code: int) -> int:
-    """kvshare_prompt_path's rule: the tiles for a panel format where this process has them,
-    the FMAs for a panel format on an AVX-512 build, else the prefill GEMM."""
+    """kvshare_prompt_path's rule: the tiles for a panel format they compute (not the
+    K-quants') where this process has them, the FMAs for a panel format on an AVX-512 build,
+    else the prefill GEMM."""
     panels = code > PROMPT["kPanelCode"]
-    if panels and amx_here() and library.level in AMX_LEVELS:
+    tiles = panels and FORMAT_NAMES[code - PROMPT["kPanelCode"]] in PANEL_FORMATS
+    if tiles and amx_here() and library.level in AMX_LEVELS:
         return PROMPT["kPromptTiles"]
     avx512 = library.level == "avx512" or (library.level == "native" and "avx512f" in cpu_flags())
     return PROMPT["kPromptFmas"] if panels and avx512 else PROMPT["kPromptGemm"]
