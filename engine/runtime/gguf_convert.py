@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from engine.core.errors import ModelLoadError
+from engine.runtime.cpu.gguf_header import GgufHeader, GgufTensor, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -29,27 +29,7 @@ logger = logging.getLogger(__name__)
 # which _config_dict and _read_weights reproduce.
 FAST_ARCHITECTURES = frozenset({"llama", "gemma3"})
 
-_DEFAULT_ALIGNMENT = 32  # bytes, where the file does not set general.alignment
 _ELEMENTS_PER_ROW = 1 << 16  # per row handed to gguf-py's dequantize: 1M-element groups of 16
-
-
-@dataclass(frozen=True)
-class GgufTensor:
-    name: str
-    shape: tuple[int, ...]  # torch order, slowest axis first
-    ggml_type: int
-    offset: int  # bytes from the start of the data section
-
-
-@dataclass(frozen=True)
-class GgufHeader:
-    metadata: dict[str, Any]  # string arrays (the vocabulary) are left as their length
-    tensors: tuple[GgufTensor, ...]
-    data_start: int  # byte offset of the data section in the file
-
-    @property
-    def architecture(self) -> str:
-        return self.metadata["general.architecture"]
 
 
 def write_hf_directory(gguf_path: Path, out_dir: Path) -> None:
@@ -72,29 +52,6 @@ def write_hf_directory(gguf_path: Path, out_dir: Path) -> None:
         logger.warning("fast GGUF conversion failed (%s); converting with transformers", exc)
         shutil.rmtree(out_dir, ignore_errors=True)
         write_with_transformers(gguf_path, out_dir)
-
-
-def read_header(gguf_path: Path) -> GgufHeader | None:
-    """The file's metadata and tensor table; None where the fast reader cannot parse it (then
-    transformers gets the file, and reports what is wrong with it)."""
-    try:
-        # transformers' own header reader, used below its GgufHeader, which refuses some ggml
-        # types (Q5_0) the legacy loader dequantises. Private: a transformers without it (or
-        # with other signatures) lands here too, and its public conversion runs instead.
-        from transformers.integrations.gguf.reader import (
-            _mapped,
-            _read_metadata,
-            _read_tensor_table,
-        )
-
-        blob = _mapped(str(gguf_path))
-        metadata, num_tensors, position = _read_metadata(blob, str(gguf_path))
-        entries, position = _read_tensor_table(blob, num_tensors, position)
-    except Exception:  # not a GGUF it parses: transformers' conversion says what is wrong
-        return None
-    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-    data_start = (position + alignment - 1) // alignment * alignment
-    return GgufHeader(metadata, tuple(GgufTensor(*entry) for entry in entries), data_start)
 
 
 def _is_fast_path_covered(header: GgufHeader) -> bool:

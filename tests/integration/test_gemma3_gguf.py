@@ -94,7 +94,7 @@ def test_a_hit_past_the_window_gives_what_a_miss_gives(engine, text_ids):
 
 def test_native_mode_computes_every_projection_as_stored(text_ids):
     """quantization native (what `kvshare serve --model gemma-3-270m` runs): every projection on
-    the file's own blocks, the 9 layers whose v is Q8_0 beside Q5_0 q and k included
+    the file's own blocks as panels, the 9 layers whose v is Q8_0 beside Q5_0 q and k included
     (BlockLinearParts), and every step through the native layer stack, which must give the
     tokens the module-by-module forward gives."""
     engine = LLMEngine(
@@ -107,6 +107,14 @@ def test_native_mode_computes_every_projection_as_stored(text_ids):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     ]
     assert all(isinstance(p, BlockLinear | BlockLinearParts) for p in projections)
+    stored = [
+        linear.block_weight
+        for p in projections
+        for linear in (p.parts if isinstance(p, BlockLinearParts) else (p,))
+    ]
+    # every format of the file on the panel kernels, the K-quants' per-group panels included
+    assert {w.format for w in stored} == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}
+    assert {w.layout for w in stored} == {"panels"}
     mixed = [p for p in projections if isinstance(p, BlockLinearParts)]
     assert [[part.block_weight.format for part in p.parts] for p in mixed] == [["Q5_0", "Q8_0"]] * 9
     step = model.native_decode

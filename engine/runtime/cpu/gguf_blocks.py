@@ -12,12 +12,15 @@ dequantized weights and says so in the log.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from engine.runtime.cpu.block_linear import BLOCK_FORMATS, BlockWeight, format_runs
+from engine.runtime.cpu.gguf_header import read_header
 
 # GGUF tensor name (after blk.{i}.) -> (our module under layers.{i}, part index in the fused rows)
 _LAYER_TENSORS = {
@@ -42,26 +45,47 @@ def read_blocks(
     model.embed_tokens). qk_rows_interleaved: the file holds q and k in llama.cpp's rope layout
     (its Llama family does; its Gemma keeps the HF order). The data are copies: the file's
     mapping is not kept."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
     parts: dict[str, dict[int, BlockWeight]] = {}
     skipped: dict[str, str] = {}
-    for tensor in reader.tensors:
-        name, fmt = tensor.name.removesuffix(".weight"), tensor.tensor_type.name
+    for full_name, fmt, in_features, raw in _tensors(path):
+        name = full_name.removesuffix(".weight")
         target = _module_of(name)
-        if target is None or not tensor.name.endswith(".weight"):
+        if target is None or not full_name.endswith(".weight"):
             continue
         module, part = target
         if fmt not in BLOCK_FORMATS:
-            skipped[tensor.name] = fmt
+            skipped[full_name] = fmt
             continue
-        data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # [rows, row bytes]
-        in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+        data = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: [rows, row bytes]
         if qk_rows_interleaved and name.endswith(("attn_q", "attn_k")):
             data = data[_hf_row_order(data.shape[0], num_heads, num_kv_heads, name)]
         parts.setdefault(module, {})[part] = BlockWeight(fmt, data.contiguous(), in_features)
     return _fuse(parts, skipped), skipped
+
+
+def _tensors(path: Path) -> Iterator[tuple[str, str, int, np.ndarray]]:
+    """(name, ggml type name, row length, its bytes [rows, row bytes] mapped from the file) per
+    tensor, from the fast header (gguf_header.py: 0.8 s to read Gemma 3 270M's blocks, 10.2 s
+    through gguf-py's GGUFReader; SmolLM2's 0.8 s and 2.8 s), or GGUFReader where it fails."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    header = read_header(path)
+    if header is None:
+        from gguf import GGUFReader
+
+        for tensor in GGUFReader(str(path)).tensors:
+            # GGUF lists dimensions innermost first
+            yield tensor.name, tensor.tensor_type.name, int(tensor.shape[0]), tensor.data
+        return
+    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    for tensor in header.tensors:
+        qtype = GGMLQuantizationType(tensor.ggml_type)
+        per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+        in_features, rows = tensor.shape[-1], math.prod(tensor.shape[:-1])
+        row_bytes = in_features // per_block * block_bytes
+        start = header.data_start + tensor.offset
+        raw = blob[start : start + rows * row_bytes].reshape(rows, row_bytes)
+        yield tensor.name, qtype.name, in_features, raw
 
 
 def _module_of(name: str) -> tuple[str, int] | None:

@@ -15,6 +15,8 @@ from safetensors import safe_open
 
 from engine.core.errors import ModelLoadError
 from engine.runtime import gguf_convert
+from engine.runtime.cpu import gguf_blocks
+from engine.runtime.cpu.gguf_blocks import read_blocks
 from engine.runtime.gguf_convert import read_header, write_hf_directory, write_with_transformers
 
 Q = GGMLQuantizationType
@@ -281,3 +283,30 @@ def test_regrouped_dequantisation_matches_gguf_py_row_by_row(tmp_path):
         actual = gguf_convert._dequantize(blob, header.data_start, tensor)
         assert actual.shape == expected.shape == (rows, cols)
         np.testing.assert_array_equal(actual, expected, strict=True)
+
+
+@pytest.mark.parametrize(
+    ("make_gguf", "heads", "interleaved"),
+    [(tiny_llama_gguf, (4, 2), True), (tiny_gemma3_gguf, (2, 1), False)],
+)
+def test_blocks_are_read_from_the_fast_header_as_gguf_py_reads_them(
+    make_gguf, heads, interleaved, tmp_path, monkeypatch
+):
+    # quantization native maps the file's blocks from the header this module parses; gguf-py's
+    # GGUFReader (the fallback) must find the same modules, formats and bytes.
+    gguf_path = make_gguf(tmp_path)
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf, "GGUFReader", no_gguf_reader)
+        fast, fast_skipped = read_blocks(gguf_path, *heads, interleaved)
+    with monkeypatch.context() as patched:
+        patched.setattr(gguf_blocks, "read_header", lambda path: None)
+        reference, skipped = read_blocks(gguf_path, *heads, interleaved)
+    assert fast.keys() == reference.keys() and fast_skipped == skipped
+    assert "model.embed_tokens" in fast and len(fast) > 2 * NUM_LAYERS
+    for name, weights in fast.items():
+        expected = reference[name] if isinstance(weights, tuple) else (reference[name],)
+        for got, want in zip(
+            weights if isinstance(weights, tuple) else (weights,), expected, strict=True
+        ):
+            assert (got.format, got.in_features) == (want.format, want.in_features), name
+            assert torch.equal(got.data, want.data), name
