@@ -7,7 +7,7 @@ SmolLM2's own tensors (the embedded GGUF: Q4_1 projections, the Q8_0 embedding a
 head), each computed with fp32 activations by:
   block        engine/runtime/cpu/block_tiles.cpp on the blocks in GGUF's row order
   panels       the same blocks reordered into panels of 16 output columns (what quantization
-               native serves for Q4_0, Q4_1, Q5_0 and Q8_0)
+               native serves for every format; K-quants as per-group panels)
   int4pack     torch's _weight_int4pack_mm_for_cpu (groupwise int4 with a scale and zero per
                32 weights: Q4_1 maps onto it exactly as w = (q - 8) * d + (m + 8 d)); Q4_1 only
   fbgemm_fp16  fbgemm's fp16-weight linear (quantization fp16)

@@ -284,8 +284,8 @@ int amx_panels_linear(int format, const float* x, const uint8_t* weight, float* 
   if (!amx_format(format)) return 1;
   return with_panel_format(format, [&](auto tag) {
     using P = decltype(tag);
-    if constexpr (P::kSplitScales) {
-      return 1;  // never asked (amx_format): a tile sums a group under one scale
+    if constexpr (!P::kOnTiles) {
+      return 1;  // never asked (amx_format)
     } else {
       amx_linear<P>(x, weight, out, rows, in_features, out_features, num_threads, companion);
       return 0;

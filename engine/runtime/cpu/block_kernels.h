@@ -28,13 +28,15 @@ constexpr int64_t kPrefetchBytes = 2048;
 // group of kPanel consecutive output columns lies together (engine/runtime/cpu/block_linear.py,
 // to_panels): the columns' fp16 scales (and Q4_1's minimums, Q5_0's fifth bits) as kPanel-wide
 // arrays, then the code bytes transposed, so code byte j of all kPanel columns is one 16-byte
-// row. The bytes are those of the GGUF blocks, moved: no size changes. A panel's codes expand to
+// row. The bytes are those of the GGUF blocks, moved: no size changes (the K-quants' panels,
+// PanelQ4_K and PanelQ6_K below, are laid out per group instead). A panel's codes expand to
 // vectors whose lanes are output columns, so each activation is broadcast into one FMA per
 // kPanel weights, with no horizontal sum, and the block scale and minimum leave the inner loop:
 //   sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k   (per 32-weight group)
 // where sum_k x_k is computed once per row and group for all columns. Per output element the
 // order is fixed: two chains (the group's "lo" and "hi" codes) summed in code order, added, times
-// d into the running sum, then m times the row's group sum; so the result does not depend on the
+// d into the running sum (Q6_K: each chain times its own scale, scaled()), then m times the
+// row's group sum; so the result does not depend on the
 // number of rows, the tile shape or the thread count (batch invariance by construction).
 constexpr int kPanel = kLanes;  // output columns per panel: one vector's lanes
 
@@ -116,6 +118,7 @@ struct NibblePanel {
   static constexpr int kBytes = (kHead + 16) * kPanel, kCodes = kHead * kPanel, kSteps = 16;
   static constexpr bool kSplitScales = false;  // one scale a group (PanelQ6_K has two)
   static constexpr bool kUnrolledSteps = false;  // see each_step
+  static constexpr bool kOnTiles = true;  // AMX tiles compute it (amx_format)
   static int lo_k(int j) { return j; }
   static int hi_k(int j) { return j + 16; }
   static vint nibbles(const uint8_t* block, int j) {
@@ -194,6 +197,7 @@ struct PanelQ5_0 : NibblePanel<6> {
 struct PanelQ8_0 {
   static constexpr int kBytes = 34 * kPanel, kCodes = 2 * kPanel, kSteps = 16;
   static constexpr bool kHasMin = false, kSplitScales = false, kUnrolledSteps = false;
+  static constexpr bool kOnTiles = true;
   static int lo_k(int j) { return 2 * j; }
   static int hi_k(int j) { return 2 * j + 1; }
   static vfloat scales(const uint8_t* b) { return halves(b); }
@@ -221,7 +225,7 @@ struct PanelQ8_0 {
 // Q4_K panel: D[16] fp32, M[16] fp32, codes[16][16] as Q4_0's (the group's weight j in code
 // row j's low nibble, weight j + 16 in its high one); w = D q + M.
 struct PanelQ4_K : NibblePanel<8> {
-  static constexpr bool kHasMin = true;
+  static constexpr bool kHasMin = true, kOnTiles = false;
   static vfloat scales(const uint8_t* b) { return load(reinterpret_cast<const float*>(b)); }
   static vfloat mins(const uint8_t* b) {
     return load(reinterpret_cast<const float*>(b + 4 * kPanel));
@@ -235,6 +239,7 @@ struct PanelQ4_K : NibblePanel<8> {
 struct PanelQ6_K {
   static constexpr int kBytes = 40 * kPanel, kCodes = 8 * kPanel, kSteps = 16;
   static constexpr bool kHasMin = false, kSplitScales = true, kUnrolledSteps = false;
+  static constexpr bool kOnTiles = false;
   static int lo_k(int j) { return j; }
   static int hi_k(int j) { return j + 16; }
   static vfloat scales(const uint8_t* b) { return load(reinterpret_cast<const float*>(b)); }
@@ -270,8 +275,9 @@ int with_panel_format(int format, Run&& run) {
   }
 }
 
-// The panel formats AMX tiles compute (amx_panels.cpp): GGUF's bytes moved, one scale a group.
-// The K-quants' panels stay on the FMAs (never run on an AMX machine yet).
+// The panel formats AMX tiles compute (amx_panels.cpp; P::kOnTiles): GGUF's bytes moved. The
+// K-quants' panels stay on the FMAs: Q6_K's two scales a group do not fit a tile's one sum, and
+// Q4_K's would but has never run on an AMX machine.
 inline bool amx_format(int format) {
   return format == kPanelCode + kQ4_0 || format == kPanelCode + kQ4_1 ||
          format == kPanelCode + kQ5_0 || format == kPanelCode + kQ8_0;

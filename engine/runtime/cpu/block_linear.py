@@ -4,7 +4,7 @@ A GGUF file stores each weight row as blocks: Q4_0, Q4_1, Q5_0 and Q8_0 hold 32 
 (an fp16 scale, a minimum for Q4_1, and 4-, 5- or 8-bit codes), Q4_K and Q6_K 256 a super-block.
 The dequantized tensor is what the exact mode (quantization none) computes on; BlockLinear
 computes the same product from the blocks (each group expanded in registers, fp32 activations
-and sums), so it is F.linear on those weights up to summation order, at a sixth to a quarter of
+and sums), so it is F.linear on those weights up to summation order, at a sixth to a third of
 fp32's bytes. A row's output does not depend on the other rows of the batch.
 
 Module names stay those of the layers they replace: BlockLinear for a projection or the LM head,

@@ -105,7 +105,8 @@ void panel_linear(const float* x, const uint8_t* weight, float* out, int rows, i
 }
 
 // Rows `ids` of a panel table (a tied embedding) as GGUF dequantizes them: d q (+ m) per weight,
-// exact in fp32 (a 4- to 8-bit code times an fp16 scale needs at most 19 bits).
+// one rounding at most (a 4- to 8-bit code times an fp16 scale needs at most 19 bits, times a
+// K-quant panel's fp32 D at most 23: both exact).
 template <typename P>
 void panel_rows(const uint8_t* table, const int64_t* ids, float* out, int rows, int in_features) {
   const int groups = in_features / 32;

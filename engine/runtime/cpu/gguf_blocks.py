@@ -13,14 +13,16 @@ dequantized weights and says so in the log.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from engine.core.errors import ModelLoadError
 from engine.runtime.cpu.block_linear import BLOCK_FORMATS, BlockWeight, format_runs
-from engine.runtime.cpu.gguf_header import read_header
+from engine.runtime.cpu.gguf_header import GgufTensor, read_header
 
 # GGUF tensor name (after blk.{i}.) -> (our module under layers.{i}, part index in the fused rows)
 _LAYER_TENSORS = {
@@ -56,17 +58,18 @@ def read_blocks(
         if fmt not in BLOCK_FORMATS:
             skipped[full_name] = fmt
             continue
-        data = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: [rows, row bytes]
+        data = torch.from_numpy(np.array(raw(), dtype=np.uint8))  # a copy: [rows, row bytes]
         if qk_rows_interleaved and name.endswith(("attn_q", "attn_k")):
             data = data[_hf_row_order(data.shape[0], num_heads, num_kv_heads, name)]
         parts.setdefault(module, {})[part] = BlockWeight(fmt, data.contiguous(), in_features)
     return _fuse(parts, skipped), skipped
 
 
-def _tensors(path: Path) -> Iterator[tuple[str, str, int, np.ndarray]]:
-    """(name, ggml type name, row length, its bytes [rows, row bytes] mapped from the file) per
-    tensor, from the fast header (gguf_header.py: 0.8 s to read Gemma 3 270M's blocks, 10.2 s
-    through gguf-py's GGUFReader; SmolLM2's 0.8 s and 2.8 s), or GGUFReader where it fails."""
+def _tensors(path: Path) -> Iterator[tuple[str, str, int, Callable[[], np.ndarray]]]:
+    """(name, ggml type name, row length, its bytes [rows, row bytes] mapped from the file, when
+    called) per tensor, from the fast header (gguf_header.py: 0.8 s to read Gemma 3 270M's
+    blocks, 10.2 s through gguf-py's GGUFReader; SmolLM2's 0.8 s and 2.8 s), or GGUFReader
+    where it fails."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     header = read_header(path)
@@ -75,17 +78,26 @@ def _tensors(path: Path) -> Iterator[tuple[str, str, int, np.ndarray]]:
 
         for tensor in GGUFReader(str(path)).tensors:
             # GGUF lists dimensions innermost first
-            yield tensor.name, tensor.tensor_type.name, int(tensor.shape[0]), tensor.data
+            data = tensor.data
+            yield tensor.name, tensor.tensor_type.name, int(tensor.shape[0]), lambda d=data: d
         return
     blob = np.memmap(path, mode="r", dtype=np.uint8)
-    for tensor in header.tensors:
-        qtype = GGMLQuantizationType(tensor.ggml_type)
+
+    def mapped(tensor: GgufTensor, qtype: GGMLQuantizationType) -> np.ndarray:
         per_block, block_bytes = GGML_QUANT_SIZES[qtype]
-        in_features, rows = tensor.shape[-1], math.prod(tensor.shape[:-1])
-        row_bytes = in_features // per_block * block_bytes
+        rows, row_bytes = math.prod(tensor.shape[:-1]), tensor.shape[-1] // per_block * block_bytes
         start = header.data_start + tensor.offset
-        raw = blob[start : start + rows * row_bytes].reshape(rows, row_bytes)
-        yield tensor.name, qtype.name, in_features, raw
+        if start + rows * row_bytes > blob.size:
+            raise ModelLoadError(f"{path} ends inside its tensor {tensor.name}: truncated?")
+        return blob[start : start + rows * row_bytes].reshape(rows, row_bytes)
+
+    for tensor in header.tensors:
+        try:
+            qtype = GGMLQuantizationType(tensor.ggml_type)
+        except ValueError:  # a type this gguf-py does not know: no kernel for it either
+            yield tensor.name, f"ggml type {tensor.ggml_type}", tensor.shape[-1], lambda: None
+            continue
+        yield tensor.name, qtype.name, tensor.shape[-1], partial(mapped, tensor, qtype)
 
 
 def _module_of(name: str) -> tuple[str, int] | None:

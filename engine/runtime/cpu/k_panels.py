@@ -26,6 +26,7 @@ COLUMNS = 16  # a panel's output rows (PANEL_COLUMNS)
 PANEL_GROUP_BYTES = {"Q4_K": 24, "Q6_K": 40}
 _SUPER = 256  # weights per super-block
 _FIELDS = 2 * 4 * COLUMNS  # the two fp32 fields of a group, 16 columns each
+_CHUNK_ROWS = 64 * COLUMNS  # rows converted at a time (whole panels)
 
 
 def _half(raw: np.ndarray) -> np.ndarray:
@@ -73,10 +74,23 @@ def _columns(values: np.ndarray, panels: int) -> np.ndarray:
 
 def to_k_panels(format: str, data: torch.Tensor, in_features: int) -> torch.Tensor:
     """GGUF rows data [out, row bytes] of a Q4_K or Q6_K weight -> its panel bytes
-    [out, in_features / 32 * PANEL_GROUP_BYTES[format]] (out a multiple of 16)."""
+    [out, in_features / 32 * PANEL_GROUP_BYTES[format]] (out a multiple of 16), converted
+    _CHUNK_ROWS rows at a time: the temporaries stay a few MB whatever the tensor (a large
+    vocabulary's Q6_K head took about ten times its own size converted at once)."""
+    rows = data.shape[0]
+    out = np.empty((rows, in_features // 32 * PANEL_GROUP_BYTES[format]), dtype=np.uint8)
+    source = data.numpy()
+    for start in range(0, rows, _CHUNK_ROWS):
+        end = min(start + _CHUNK_ROWS, rows)
+        out[start:end] = _panel_bytes(format, source[start:end], in_features)
+    return torch.from_numpy(out)
+
+
+def _panel_bytes(format: str, data: np.ndarray, in_features: int) -> np.ndarray:
+    """to_k_panels of whole panels' rows, at once."""
     rows = data.shape[0]
     panels, groups = rows // COLUMNS, in_features // 32
-    blocks = data.numpy().reshape(rows, in_features // _SUPER, -1)
+    blocks = data.reshape(rows, in_features // _SUPER, -1)
     if format == "Q4_K":
         first, second, codes = _q4_k_groups(blocks)
         packed = (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)  # [rows, g, 16]
@@ -91,8 +105,7 @@ def to_k_panels(format: str, data: torch.Tensor, in_features: int) -> torch.Tens
     ]
     parts[0] = parts[0].reshape(panels, groups, -1)
     parts[1] = parts[1].reshape(panels, groups, -1)
-    out = np.concatenate(parts, axis=-1).reshape(rows, groups * PANEL_GROUP_BYTES[format])
-    return torch.from_numpy(np.ascontiguousarray(out))
+    return np.concatenate(parts, axis=-1).reshape(rows, groups * PANEL_GROUP_BYTES[format])
 
 
 def dequantize_k_panels(format: str, data: torch.Tensor, in_features: int) -> torch.Tensor:

@@ -124,7 +124,7 @@ struct PanelWeights {
     }
   }
 
-  // GGUF's value: d q + m, one rounding (d q, at most 19 bits, is exact); Q4_0's m = -8 d and
+  // GGUF's value: d q + m, one rounding (d q, at most 23 bits, is exact); Q4_0's m = -8 d and
   // Q5_0's -16 d make it exactly (q - 8) d and (q - 16) d.
   static vfloat dequantized(vfloat q, vfloat d, vfloat m) {
     if constexpr (P::kHasMin) return q * d + m;

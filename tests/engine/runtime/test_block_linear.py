@@ -1,9 +1,9 @@
 """The GGUF block kernels (engine/runtime/cpu/block_tiles.cpp, fma_panels.cpp,
-amx_panels.cpp) against F.linear on the weights
-as gguf-py dequantizes them, once per kernel build level this CPU executes (the forced lower
-levels included), on odd shapes, in both layouts (GGUF's rows, and the panels to_panels makes of
-Q4_0, Q4_1, Q5_0 and Q8_0); and batch invariance: a row's output is bit-identical alone and among
-3 or 8 rows, and with 1 or 2 threads."""
+amx_panels.cpp) against F.linear on the weights as gguf-py dequantizes them, once per kernel
+build level this CPU executes (the forced lower levels included), on odd shapes, in both
+layouts (GGUF's rows, and the panels to_panels makes of every format: Q4_0, Q4_1, Q5_0 and
+Q8_0 reordered, Q4_K and Q6_K per group); and batch invariance: a row's output is
+bit-identical alone and among 3 or 8 rows, and with 1 or 2 threads."""
 
 from __future__ import annotations
 

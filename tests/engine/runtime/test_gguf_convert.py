@@ -310,3 +310,12 @@ def test_blocks_are_read_from_the_fast_header_as_gguf_py_reads_them(
         ):
             assert (got.format, got.in_features) == (want.format, want.in_features), name
             assert torch.equal(got.data, want.data), name
+
+
+def test_a_truncated_file_is_refused_naming_the_tensor(tmp_path):
+    gguf_path = tiny_gemma3_gguf(tmp_path)
+    data = gguf_path.read_bytes()
+    gguf_path.write_bytes(data[: len(data) - 4096])  # the last tensors cut short
+    assert read_header(gguf_path) is not None  # the header still parses
+    with pytest.raises(ModelLoadError, match="ends inside its tensor"):
+        read_blocks(gguf_path, 2, 1, False)

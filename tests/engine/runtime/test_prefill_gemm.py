@@ -98,6 +98,7 @@ def test_shapes_and_formats_it_does_not_take_are_refused(library) -> None:
         (2, 48, 16, 2),  # Q4_0 rows of 48: not whole blocks
         (12, 128, 16, 2),  # Q4_K rows of 128: not whole super-blocks
         (102, 64, 8, 2),  # Q4_0 panels of 8 columns: not whole panels
+        (114, 64, 8, 2),  # Q6_K panels (per group) of 8 columns
     ]
     for fmt, in_features, out_features, status in cases:
         got = library.kvshare_prefill_gemm(
