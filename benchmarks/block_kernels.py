@@ -2,9 +2,11 @@
 
     python benchmarks/block_kernels.py [--rows 1 8] [--rounds 5] [--threads 2] [--clock cpu]
     python benchmarks/block_kernels.py --rows 16 64 256 512 --rounds 3   # prefill chunk sizes
+    python benchmarks/block_kernels.py --model gemma-3-270m   # Q5_0, Q4_K, Q6_K
 
 SmolLM2's own tensors (the embedded GGUF: Q4_1 projections, the Q8_0 embedding as the LM
-head), each computed with fp32 activations by:
+head), or with --model gemma-3-270m three of Gemma 3's layer-0 projections, each computed with
+fp32 activations by:
   block        engine/runtime/cpu/block_tiles.cpp on the blocks in GGUF's row order
   panels       the same blocks reordered into panels of 16 output columns (what quantization
                native serves for every format; K-quants as per-group panels)
@@ -43,16 +45,19 @@ from engine.runtime.loader import kvshare_cache_dir, resolve_model_source
 
 TENSORS = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight")
 HEAD = "token_embd.weight"
+# With --model gemma-3-270m: layer 0's Q5_0 gate/up, Q4_K attention output and Q6_K down (its
+# 262,144-row head would need GBs of fp32 copies for the library candidates).
+GEMMA_TENSORS = ("blk.0.ffn_gate.weight", "blk.0.attn_output.weight", "blk.0.ffn_down.weight")
 
 
-def smollm2_block_weights(config: EngineConfig) -> dict[str, BlockWeight]:
-    """TENSORS and HEAD of the embedded GGUF, as stored (GGUF's block order), by name."""
+def block_weights(config: EngineConfig, names: tuple[str, ...]) -> dict[str, BlockWeight]:
+    """Tensors `names` of the model's GGUF, as stored (GGUF's block order), by name."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(resolve_model_source(config).gguf_path))
     tensors = {t.name: t for t in reader.tensors}
     weights = {}
-    for name in (*TENSORS, HEAD):
+    for name in names:
         data = torch.from_numpy(np.array(tensors[name].data, dtype=np.uint8))
         weights[name] = BlockWeight(
             tensors[name].tensor_type.name, data, int(tensors[name].shape[0])
@@ -142,12 +147,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--model", default=None, help="as kvshare serve --model (default SmolLM2)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    config = EngineConfig()
+    config = EngineConfig() if args.model is None else EngineConfig(model=args.model)
     library = load_library(kvshare_cache_dir(config) / "kernels")
-    weights = smollm2_block_weights(config)
+    names = (*TENSORS, HEAD) if args.model is None else GEMMA_TENSORS
+    weights = block_weights(config, names)
     bandwidth = read_bandwidth_gbs(clock)
     print(f"read bandwidth {bandwidth:.1f} GB/s; {args.threads} threads; clock {args.clock}\n")
     print("| tensor | format | rows | candidate | us | GB/s read (block bytes) | max abs err |")

@@ -219,8 +219,8 @@ struct PanelQ8_0 {
 // super-block's: D = d * scale and M = -(dmin * min) as fp32, each exactly the float GGUF's
 // dequantization computes (an fp16 times a 6- or 8-bit integer needs at most 19 bits), so every
 // weight D q + M is still GGUF's value. 24 bytes a column and group for Q4_K (18 in GGUF), 40
-// for Q6_K (26.25), for kernels 2.7-3.5x faster than the row-order ones at 8 rows and 3-6.5x at
-// 1 row (Gemma 3 270M's tensors, AMD EPYC Zen 4).
+// for Q6_K (26.25), for kernels 2.3-3.5x faster than the row-order ones at 8 rows and 2.9-5.1x
+// at 1 row (benchmarks/block_kernels.py --model gemma-3-270m, AMD EPYC Zen 4).
 
 // Q4_K panel: D[16] fp32, M[16] fp32, codes[16][16] as Q4_0's (the group's weight j in code
 // row j's low nibble, weight j + 16 in its high one); w = D q + M.

@@ -207,7 +207,7 @@ def _replace_with_blocks(model: nn.Module, blocks: dict, library) -> int:
     """Swap each named module for its block twin; a tied head reads the embedding's blocks.
     Weights whose rows come in whole panels are laid out as panels first (Q4_0, Q4_1, Q5_0,
     Q8_0: the same bytes, 1.7-2.5x faster than GGUF's row order; Q4_K, Q6_K: per group with
-    their scales applied, 2.7-3.5x faster at 8 rows on Gemma 3; docs/cpu.md)."""
+    their scales applied, 2.3-3.5x faster at 8 rows on Gemma 3; docs/cpu.md)."""
     tied = model.lm_head is None
     blocks = {
         name: tuple(map(to_panels, weight)) if isinstance(weight, tuple) else to_panels(weight)
