@@ -8,7 +8,9 @@ them with one call. A graph fixes every shape, pointer and host-side value, so:
   slot -1 (store_kv skips it: no real KV is ever written) and seq_len 0 (the decode kernel
   writes zeros for them and reads no block);
 - inputs live in static buffers that each step overwrites in place (DecodeBuffers);
-- block tables have a fixed width: enough blocks for max_model_len;
+- block tables have a fixed width: enough blocks for max_model_len. They stay on the device
+  between steps: a step writes only the entries that changed (a sequence's new block, a
+  copy-on-write swap, a row that now holds another sequence), not the whole table;
 - the decode kernel's split-K count is baked in, so each batch size is captured once per
   split count the Triton backend can choose for it, and a replay takes the graph of the
   count the backend chooses for the step, as an eager step of that batch size would.
@@ -93,13 +95,17 @@ class DecodeRows:
     positions: list[int]  # [Bp], 0 in padding rows
     slot_mapping: list[int]  # [Bp], -1 in padding rows
     seq_lens: list[int]  # [Bp] context length after the step, 0 in padding rows
-    block_tables: list[int]  # [Bp * W] row-major; 0 past each table's end and in padding rows
-    table_width: int  # W: the most blocks a row reads this step
+    tables: list[list[int]]  # [B] each sequence's blocks that its context covers
     max_seq_len: int
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def table_width(self) -> int:
+        """The most blocks a row reads this step."""
+        return max(map(len, self.tables))
 
 
 def build_decode_rows(sched_out: SchedulerOutput, batch_size: int, block_size: int) -> DecodeRows:
@@ -116,24 +122,22 @@ def build_decode_rows(sched_out: SchedulerOutput, batch_size: int, block_size: i
     if len(sched_out.slot_mapping) != len(seqs) or any(s.num_tokens != 1 for s in seqs):
         raise ValueError("a decode-only step needs exactly one token and one slot per sequence")
     seq_lens = [seq.context_len for seq in seqs]
-    num_blocks = [cdiv(seq_len, block_size) for seq_len in seq_lens]
-    width = max(num_blocks)
-    tables: list[int] = []
-    for seq, count in zip(seqs, num_blocks, strict=True):
+    tables = []
+    for seq, seq_len in zip(seqs, seq_lens, strict=True):
+        count = cdiv(seq_len, block_size)
         if len(seq.block_ids) < count:
             raise ValueError(
                 f"sequence {seq.seq_id} has {len(seq.block_ids)} blocks "
                 f"for {seq.context_len} tokens"
             )
-        tables += seq.block_ids[:count] + [0] * (width - count)
+        tables.append(seq.block_ids[:count])
     padding = [0] * num_padding
     return DecodeRows(
         input_ids=[seq.token_ids[0] for seq in seqs] + padding,
         positions=[seq.start_pos for seq in seqs] + padding,
         slot_mapping=[*sched_out.slot_mapping, *([_PADDING_SLOT] * num_padding)],
         seq_lens=seq_lens + padding,
-        block_tables=tables + [0] * (width * num_padding),
-        table_width=width,
+        tables=tables,
         max_seq_len=max(seq_lens),
     )
 
@@ -145,6 +149,9 @@ class DecodeBuffers:
     int32; block_tables: [max_batch_size, max_blocks_per_seq] int32; query_start_loc:
     [max_batch_size + 1] int32, always 0, 1, 2, ... (one query token per row).
     Fresh buffers hold padding values everywhere, so running on them writes no KV.
+
+    The block tables live on the device across steps; `held` mirrors what each row's leading
+    entries hold there, so a step sends only the entries that differ (table_writes counts them).
     """
 
     def __init__(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
@@ -159,12 +166,15 @@ class DecodeBuffers:
         self.seq_lens = torch.zeros(max_batch_size, **ints)
         self.block_tables = torch.zeros(max_batch_size, max_blocks_per_seq, **ints)
         self.query_start_loc = torch.arange(max_batch_size + 1, **ints)
+        self.held: list[list[int]] = [[] for _ in range(max_batch_size)]
+        self.table_writes = 0  # block-table entries the last load() sent
 
     def load(self, rows: DecodeRows) -> None:
-        """Overwrite rows [:rows.batch_size] in place, from pinned memory without a sync on CUDA.
+        """Overwrite rows [:rows.batch_size] in place, from pinned memory without a sync on CUDA;
+        of the block tables, only the entries that changed.
 
-        Block-table columns past rows.table_width keep ids of earlier steps: the kernels read
-        a row's table only up to its seq_len, which never reaches them.
+        Table entries past a row's table keep ids of earlier steps, and padding rows keep
+        theirs: the kernels read a row's table only up to its seq_len, which never reaches them.
         """
         size, width = rows.batch_size, rows.table_width
         if size > self.max_batch_size or width > self.max_blocks_per_seq:
@@ -172,15 +182,37 @@ class DecodeBuffers:
                 f"{size} rows x {width} blocks do not fit buffers of "
                 f"{self.max_batch_size} x {self.max_blocks_per_seq}"
             )
+        at, block_ids = self._table_updates(rows.tables)
         # Pinned staging: the copies into the static buffers below do not block the host.
-        long_values = [*rows.input_ids, *rows.positions, *rows.slot_mapping]
+        long_values = [*rows.input_ids, *rows.positions, *rows.slot_mapping, *at]
         longs = stage(long_values, torch.int64, self.device)
-        ints = stage([*rows.seq_lens, *rows.block_tables], torch.int32, self.device)
+        ints = stage([*rows.seq_lens, *block_ids], torch.int32, self.device)
         self.input_ids[:size].copy_(longs[:size], non_blocking=True)
         self.positions[:size].copy_(longs[size : 2 * size], non_blocking=True)
-        self.slot_mapping[:size].copy_(longs[2 * size :], non_blocking=True)
+        self.slot_mapping[:size].copy_(longs[2 * size : 3 * size], non_blocking=True)
         self.seq_lens[:size].copy_(ints[:size], non_blocking=True)
-        self.block_tables[:size, :width].copy_(ints[size:].view(size, width), non_blocking=True)
+        if at:
+            where = longs[3 * size :].to(self.device, non_blocking=True)
+            entries = ints[size:].to(self.device, non_blocking=True)
+            self.block_tables.view(-1).index_copy_(0, where, entries)
+        self.table_writes = len(at)
+
+    def _table_updates(self, tables: list[list[int]]) -> tuple[list[int], list[int]]:
+        """(flat positions, block ids) of the entries where `tables` differ from what the
+        rows hold: from each row's first difference to its end (a decoding sequence gains a
+        block every block_size steps; copy-on-write swaps its last one)."""
+        at: list[int] = []
+        block_ids: list[int] = []
+        for row, table in enumerate(tables):
+            held = self.held[row]
+            if held == table:
+                continue
+            start = len(held) if table[: len(held)] == held else _common_prefix(held, table)
+            base = row * self.max_blocks_per_seq
+            at += range(base + start, base + len(table))
+            block_ids += table[start:]
+            self.held[row] = table
+        return at, block_ids
 
     def metadata(self, batch_size: int, max_seq_len: int) -> AttentionMetadata:
         """AttentionMetadata over rows [:batch_size], every tensor a view of the buffers.
@@ -199,6 +231,12 @@ class DecodeBuffers:
             query_start_loc_host=list(range(batch_size + 1)),
             seq_lens_host=[max_seq_len] * batch_size,
         )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading entries a and b share."""
+    pairs = zip(a, b, strict=False)  # the shorter one's length at most
+    return next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(a), len(b)))
 
 
 class CudaGraphRunner:

@@ -9,6 +9,7 @@ replayed eagerly: replay() re-runs exactly the computation a CUDA graph would re
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -112,8 +113,7 @@ THREE_ROWS = DecodeRows(
     positions=[5, 0, 8, 0],
     slot_mapping=[13, 36, 20, -1],
     seq_lens=[6, 1, 9, 0],
-    block_tables=[7, 3, 0, 9, 0, 0, 1, 2, 5, 0, 0, 0],
-    table_width=3,
+    tables=[[7, 3], [9], [1, 2, 5]],
     max_seq_len=9,
 )
 
@@ -121,7 +121,8 @@ THREE_ROWS = DecodeRows(
 def test_decode_rows_are_padded_exactly() -> None:
     assert build_decode_rows(decode_step(THREE_DECODES), 4, 4) == THREE_ROWS
     unpadded = build_decode_rows(decode_step(THREE_DECODES[:2]), 2, 4)
-    assert (unpadded.slot_mapping, unpadded.block_tables) == ([13, 36], [7, 3, 9, 0])
+    assert (unpadded.slot_mapping, unpadded.tables) == ([13, 36], [[7, 3], [9]])
+    assert unpadded.table_width == 2
 
 
 @pytest.mark.parametrize(
@@ -159,13 +160,63 @@ def test_fresh_buffers_hold_padding_and_load_overwrites_leading_rows() -> None:
     assert buffers.block_tables.tolist() == [
         [7, 3, 0, 0, 0], [9, 0, 0, 0, 0], [1, 2, 5, 0, 0], *[[0] * 5] * 3
     ]  # fmt: skip
-    # A smaller step rewrites its rows and its table columns only; the rest is never read
-    # (rows past the batch, columns past each row's seq_len).
+    # A smaller step rewrites its rows and the table entries that changed only; the rest is
+    # never read (rows past the batch, a padding row's table, columns past each row's seq_len).
     buffers.load(build_decode_rows(decode_step([decode(40, 14, 2, [4])]), 2, 4))
     assert buffers.input_ids.tolist() == [14, 0, 13, 0, 0, 0]
     assert buffers.slot_mapping.tolist() == [18, -1, 20, -1, -1, -1]
     assert buffers.seq_lens.tolist() == [3, 0, 9, 0, 0, 0]
-    assert buffers.block_tables[:3].tolist() == [[4, 3, 0, 0, 0], [0, 0, 0, 0, 0], [1, 2, 5, 0, 0]]
+    assert buffers.block_tables[:3].tolist() == [[4, 3, 0, 0, 0], [9, 0, 0, 0, 0], [1, 2, 5, 0, 0]]
+    assert buffers.table_writes == 1
+
+
+def load_tables(buffers: DecodeBuffers, tables: list[list[int]]) -> int:
+    """Load a decode step whose rows read `tables`; the table entries the load sent."""
+    rows = DecodeRows(
+        input_ids=[1] * len(tables), positions=[0] * len(tables), slot_mapping=[0] * len(tables),
+        seq_lens=[len(t) * 4 for t in tables], tables=tables, max_seq_len=4 * max(map(len, tables)),
+    )  # fmt: skip
+    buffers.load(rows)
+    for row, table in enumerate(tables):  # what the kernels read is the step's tables
+        assert buffers.block_tables[row, : len(table)].tolist() == table
+    return buffers.table_writes
+
+
+def test_block_tables_stay_on_the_device_and_only_changes_are_sent() -> None:
+    buffers = DecodeBuffers(max_batch_size=4, max_blocks_per_seq=6, device=CPU)
+    assert load_tables(buffers, [[1, 2], [3]]) == 3  # first step: every entry
+    assert load_tables(buffers, [[1, 2], [3]]) == 0  # the next steps within the same blocks
+    assert load_tables(buffers, [[1, 2, 4], [3]]) == 1  # a sequence crossed into a new block
+    assert load_tables(buffers, [[1, 2, 9], [3]]) == 1  # copy-on-write swapped its last block
+    assert load_tables(buffers, [[3], [1, 2, 9]]) == 4  # the rows swapped sequences
+    assert load_tables(buffers, [[3]]) == 0  # a smaller batch: row 1 is padding, unread
+    assert load_tables(buffers, [[3], [1, 2, 9], [5, 6]]) == 2  # row 1 still held its table
+    assert load_tables(buffers, [[7, 2]]) == 2  # another sequence, sharing a block id
+
+
+def test_incremental_block_tables_equal_a_full_rebuild() -> None:
+    """Random steps (growth, copy-on-write swaps, finished and new sequences, reordering):
+    after each, the device rows hold the step's tables, as rebuilding them whole would."""
+    rng = random.Random(5)
+    buffers = DecodeBuffers(max_batch_size=8, max_blocks_per_seq=12, device=CPU)
+    live = [[rng.randrange(100)] for _ in range(5)]
+    sent = whole = 0
+    for _ in range(300):
+        for table in live:
+            change = rng.random()
+            if change < 0.2 and len(table) < 12:
+                table.append(rng.randrange(100))
+            elif change < 0.25:
+                table[-1] = rng.randrange(100)
+        if rng.random() < 0.1:
+            live.pop(rng.randrange(len(live)))
+        if rng.random() < 0.15 and len(live) < 8:
+            live.insert(rng.randrange(len(live) + 1), [rng.randrange(100)])
+        if not live:
+            live.append([rng.randrange(100)])
+        sent += load_tables(buffers, [list(t) for t in live])
+        whole += sum(map(len, live))
+    assert sent < whole / 3, (sent, whole)  # far fewer than resending every table each step
 
 
 def test_buffers_refuse_rows_that_do_not_fit() -> None:
