@@ -15,6 +15,10 @@ them with one call. A graph fixes every shape, pointer and host-side value, so:
   split count the Triton backend can choose for it, and a replay takes the graph of the
   count the backend chooses for the step, as an eager step of that batch size would.
 
+A graph also records the LM head and greedy argmax over its rows, into static logits and
+greedy buffers shared by every graph: a greedy step then reads B token ids back, its only host
+sync, and a sampled one reads the logits without running the head again.
+
 Only the Triton backend can be captured (the torch reference loops over host ints); prefill
 and mixed steps run eagerly. Sizes, padding, row building and the static buffers are plain
 code that runs on any device; only capture() and replay() need CUDA.
@@ -270,6 +274,10 @@ class CudaGraphRunner:
         self.buffers = DecodeBuffers(self.sizes[-1], max_blocks_per_seq, self.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # [B, E] per graph
+        # [max B, V] float32 and [max B] int64, written by every graph (run_static); None
+        # until the first run, or for a model without an LM head (the tests' stand-ins)
+        self.logits: torch.Tensor | None = None
+        self.greedy: torch.Tensor | None = None
         self.num_replays = 0
         self._fixed_backends: dict[int, TritonBackend] = {}
 
@@ -305,16 +313,34 @@ class CudaGraphRunner:
         self.num_replays += 1
         return self.outputs[key][: len(sched_out.seqs)]
 
+    def head_outputs(self, num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The last replay's logits [num_rows, V] (float32) and greedy tokens [num_rows]
+        (their argmax): views that the next replay overwrites. None without a head."""
+        if self.logits is None or self.greedy is None:
+            return None
+        return self.logits[:num_rows], self.greedy[:num_rows]
+
     def run_static(self, batch_size: int, num_splits: int) -> torch.Tensor:
-        """What a graph records: the model over rows [:batch_size] of the buffers: [B, E]."""
+        """What a graph records: the model over rows [:batch_size] of the buffers, then its LM
+        head and greedy argmax into the static logits and greedy rows: hidden [B, E]."""
         buffers = self.buffers
-        return self.model(
+        hidden = self.model(
             buffers.input_ids[:batch_size],
             buffers.positions[:batch_size],
             buffers.metadata(batch_size, self.max_model_len),
             self.kv_caches,
             self._fixed_backend(num_splits),
         )
+        compute_logits = getattr(self.model, "compute_logits", None)
+        if compute_logits is not None:
+            logits = compute_logits(hidden)  # [B, V] float32
+            if self.logits is None:  # the first (eager) run allocates, outside any capture
+                rows = self.buffers.max_batch_size
+                self.logits = logits.new_empty((rows, logits.shape[1]))
+                self.greedy = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+            self.logits[:batch_size].copy_(logits)
+            self.greedy[:batch_size].copy_(logits.argmax(dim=-1))
+        return hidden
 
     def capture(self) -> None:
         """Record every (batch size, split count) graph; needs CUDA and takes seconds.

@@ -166,17 +166,25 @@ class ModelRunner:
             return output
 
     def _sample(
-        self, hidden: torch.Tensor, seq_ids: list[int], specs: list[SampleSpec]
+        self,
+        hidden: torch.Tensor,
+        seq_ids: list[int],
+        specs: list[SampleSpec],
+        head: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> ModelRunnerOutput:
-        """hidden [S, E]: the last-token rows of the sampled sequences, in seq_ids order."""
+        """hidden [S, E]: the last-token rows of the sampled sequences, in seq_ids order;
+        head: their logits [S, V] and argmax [S] where a CUDA graph computed them."""
         if not specs:
             return ModelRunnerOutput()
         sampled = None
         if not self._capture_seq_ids:
             # Greedy rows need no logits: the model may find the argmax from fewer of them.
-            sampled = self.sampler.by_argmax(specs, lambda: self.model.greedy_tokens(hidden))
+            greedy = (lambda: head[1]) if head is not None else None
+            sampled = self.sampler.by_argmax(
+                specs, greedy or (lambda: self.model.greedy_tokens(hidden))
+            )
         if sampled is None:
-            logits = self.model.compute_logits(hidden)  # [S, V]
+            logits = head[0] if head is not None else self.model.compute_logits(hidden)  # [S, V]
             if self._capture_seq_ids:
                 self._capture_logits(logits, seq_ids, specs)
             sampled = self.sampler(logits, specs)
@@ -242,9 +250,12 @@ class ModelRunner:
         seq_ids, specs = [seqs[i].seq_id for i in rows], [seqs[i].sample for i in rows]
         with torch.inference_mode():
             hidden = self.graph_runner.replay(sched_out)  # [B, E], row i = sequence i
+            head = self.graph_runner.head_outputs(len(seqs))  # the graph's logits and argmax
             if len(rows) < len(seqs):
-                hidden = hidden[split_to_device([rows], self.device)[0]]  # [S, E]
-            return self._sample(hidden, seq_ids, specs)
+                index = split_to_device([rows], self.device)[0]
+                hidden = hidden[index]  # [S, E]
+                head = None if head is None else (head[0][index], head[1][index])
+            return self._sample(hidden, seq_ids, specs, head)
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
         reason = graphs_disabled_reason(

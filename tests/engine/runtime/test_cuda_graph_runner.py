@@ -361,6 +361,9 @@ class EagerReplayer:
     def can_replay(self, sched_out: SchedulerOutput) -> bool:
         return 0 < len(sched_out.seqs) == sched_out.num_decodes
 
+    def head_outputs(self, num_rows: int) -> None:
+        return None  # the runner computes the logits from the hidden rows
+
     def replay(self, sched_out: SchedulerOutput) -> torch.Tensor:
         self.batch_sizes.append(len(sched_out.seqs))
         inputs = prepare_inputs(sched_out, CPU)
@@ -465,7 +468,24 @@ def test_interpreted_replayed_decodes_match_the_torch_reference(tiny_llama_dir, 
         assert torch.equal(k, k0) and torch.equal(v, v0)  # capturing wrote no KV
     outputs = generate(runner, make_step)
     assert runner.graph_runner.num_replays == len(DECODE_ONLY_BATCHES)
-    assert outputs == expected
+    assert outputs == expected  # sampled from the graphs' own logits and argmax
+
+
+@interpreted
+def test_interpreted_graph_head_equals_the_eager_head(tiny_llama_dir, make_step):
+    """The logits and greedy tokens a graph records are the eager head's on the same rows,
+    and a sampled (non-greedy) step reads those logits."""
+    runner = make_runner(tiny_llama_dir, attention_backend="triton", max_num_seqs=4)
+    seqs = prefill_three(runner, make_step)
+    step = make_step([s.scheduled(True) for s in seqs], BLOCK_SIZE, num_decodes=3)
+    graph_runner = emulate_capture(runner)
+    with torch.inference_mode():
+        hidden = graph_runner.replay(step)  # [3, E]
+        logits, greedy = graph_runner.head_outputs(3)
+        eager_logits = runner.model.compute_logits(hidden)
+    assert torch.equal(logits, eager_logits)
+    assert greedy.tolist() == eager_logits.argmax(dim=-1).tolist()
+    assert graph_runner.logits.shape[0] == graph_runner.sizes[-1]
 
 
 @interpreted
