@@ -45,7 +45,7 @@ else
     PYTHON="${PYTHON:-python3}"
     unset TRITON_INTERPRET # compiled kernels only
     BUDGET_S="${KVSHARE_GPU_CHECK_BUDGET_S:-345}"
-    CAPS=(setup:25 kernels:50 engine:100 serve:60 throughput:110)
+    CAPS=(setup:25 kernels:70 engine:90 serve:60 throughput:100)
 fi
 export TRANSFORMERS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export KVSHARE_GPU_WHEELS="$WHEELS"

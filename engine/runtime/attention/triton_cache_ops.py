@@ -64,6 +64,26 @@ def store_kv(
     )  # fmt: skip
 
 
+# The pool's pointer tables, by their pointers: the KV pool is never reallocated, so a step's
+# copy-on-write finds its table here rather than copying one from pageable host memory, which
+# would make the host wait for the GPU.
+_POINTER_TABLES: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+_MAX_POINTER_TABLES = 8
+
+
+def _pointer_table(caches: list[torch.Tensor]) -> torch.Tensor:
+    """One pointer per cache tensor, on their device, so a single launch covers every layer."""
+    device = caches[0].device
+    key = (device, tuple(cache.data_ptr() for cache in caches))
+    table = _POINTER_TABLES.get(key)
+    if table is None:
+        if len(_POINTER_TABLES) >= _MAX_POINTER_TABLES:  # tests make many small pools
+            _POINTER_TABLES.clear()
+        table = torch.tensor(key[1], dtype=torch.int64, device=device)
+        _POINTER_TABLES[key] = table
+    return table
+
+
 @triton.jit
 def _copy_blocks_kernel(
     cache_ptrs_ptr, src_ptr, dst_ptr, block_numel,
@@ -99,10 +119,7 @@ def copy_blocks(
     for cache in caches:
         assert cache.is_contiguous(), "copy_blocks needs contiguous caches"
         assert cache.shape == first.shape and cache.dtype == first.dtype, "caches must match"
-    # one pointer per cache tensor, so a single launch covers every layer
-    cache_ptrs = torch.tensor(
-        [c.data_ptr() for c in caches], dtype=torch.int64, device=first.device
-    )
+    cache_ptrs = _pointer_table(caches)
     block_numel = first[0].numel()
     grid = (len(caches), num_pairs, triton.cdiv(block_numel, _COPY_CHUNK))
     _copy_blocks_kernel[grid](
