@@ -102,7 +102,7 @@ for entry in "${CAPS[@]}"; do
     say "stage $stage (cap ${seconds}s)"
     # shellcheck disable=SC2086  # LOCAL_FLAG is empty or one word
     timeout -k 10 "$seconds" "$PYTHON" scripts/gpu_check.py --stage "$stage" --out "$OUT" \
-        $LOCAL_FLAG >>"$OUT/check.log" 2>&1
+        --seconds "$seconds" $LOCAL_FLAG >>"$OUT/check.log" 2>&1
     rc=$?
     echo "$stage $rc" >>"$OUT/stage_rcs.txt"
     say "stage $stage rc=$rc"

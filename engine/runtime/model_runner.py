@@ -110,6 +110,10 @@ class ModelRunner:
             self.model.use_fused_ops(fused_ops)
             if config.native_decode and hasattr(self.model, "use_native_decode"):
                 self.model.use_native_decode(NativeDecodeStep.for_model(self.model, library))
+        elif self.attn_backend.name == "triton":  # one launch per norm, gate and rope + store
+            from engine.runtime.attention.triton_fused import TritonFusedOps
+
+            self.model.use_fused_ops(TritonFusedOps())
         self.grammar_matchers = GrammarMatchers(self.model_info.vocab_size)
         self.sampler = Sampler(
             self.model_info.eos_token_ids,

@@ -91,18 +91,35 @@ def test_the_stages_check_what_they_say(local_check) -> None:
     stages = {s["stage"]: s for s in json.loads((out / "summary.json").read_text())["stages"]}
     kernels = stages["kernels"]["details"]["checks"]
     names = " ".join(check["name"] for check in kernels)
-    for kernel in ("attention float32", "attention bfloat16", "store_kv", "copy_blocks"):
+    for kernel in ("attention float32", "attention bfloat16", "store_kv", "copy_blocks",
+                   "rms_norm bfloat16", "add_rms_norm", "silu_mul", "gelu_tanh_mul",
+                   "rope_store bfloat16"):  # fmt: skip
         assert kernel in names
     assert all(check["ok"] for check in kernels)
     engine = stages["engine"]["details"]
     assert engine["fp32_equals_hf"]["equal_prompts"] == 3
     assert engine["bf16_agrees_with_hf"]["agreement"] >= 0.99
     assert engine["graphs_equal_eager"].get("skipped")  # no CUDA here
+    assert engine["host_syncs_per_decode_step"].get("skipped")
     serve = stages["serve"]["details"]
     assert set(serve) == {"chat", "stream", "n=2", "logprobs", "json_schema", "leaked=0"}
     shapes = stages["throughput"]["details"]["shapes"]
     assert set(shapes["tiny"]["decode"]) == {"1", "4"}
     assert shapes["tiny"]["prefill_tokens_per_s"] > 0
+
+
+def test_a_stage_past_its_cap_reports_what_ran(tmp_path) -> None:
+    """With almost no time, the kernels stage starts one group of checks, reports it, and
+    fails naming the groups it did not run (a killed stage would report nothing)."""
+    result = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--stage", "kernels", "--out", str(tmp_path),
+         "--local", "--seconds", "0.001"],
+        cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    record = json.loads((tmp_path / "stages.jsonl").read_text())
+    assert not record["ok"] and "groups not run (time cap)" in record["line"]
 
 
 def test_a_stage_that_left_no_record_is_reported_failed(tmp_path) -> None:

@@ -321,8 +321,9 @@ class LlamaForCausalLM(nn.Module):
     def use_fused_ops(self, ops: CpuFusedOps | None) -> None:
         """Run RMSNorm (and the residual add before it), SiLU-and-mul, rope with the KV store,
         and a small batch's LM head through `ops` where they cover the call (None: torch
-        everywhere). The KV store then writes the caches directly, in the layout every
-        backend shares (attention/base.py): only for the CPU backends."""
+        everywhere): CpuFusedOps with the CPU backend, TritonFusedOps (attention/
+        triton_fused.py) with Triton's. The KV store then writes the caches directly, in the
+        layout every backend shares (attention/base.py)."""
         for module in self.modules():
             if isinstance(module, RMSNorm | LlamaMLP | LlamaAttention):
                 module.fused = ops
