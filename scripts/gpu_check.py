@@ -54,7 +54,7 @@ LLAMA_1B_SHAPE = dict(
     max_position_embeddings=4096, rope_theta=500000.0, rms_norm_eps=1e-5,
 )  # fmt: skip
 TINY_SHAPE = dict(
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
     intermediate_size=128, vocab_size=49152, tie_word_embeddings=True,
     max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5,
 )  # fmt: skip
@@ -94,9 +94,9 @@ class Mode:
         if not local:
             return cls(False, models={"smollm2-135m": SMOLLM2_SHAPE, "llama-1b": LLAMA_1B_SHAPE})
         return cls(
-            True, device="cpu", models={"tiny": TINY_SHAPE}, prompts=3, prompt_len=20,
-            new_tokens=6, crowd=4, batch_sizes=(1, 4), throughput_prompt_len=16,
-            throughput_tokens=4, prefill_tokens=64, hf_batch=4,
+            True, device="cpu", models={"tiny": TINY_SHAPE}, prompts=3, prompt_len=12,
+            new_tokens=5, crowd=4, batch_sizes=(1, 4), throughput_prompt_len=12,
+            throughput_tokens=4, prefill_tokens=32, hf_batch=4,
         )  # fmt: skip
 
 
