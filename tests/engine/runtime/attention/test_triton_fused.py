@@ -25,7 +25,8 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter tests (the kernels take CUDA tensors here)", allow_module_level=True)
 
 _CAN_INTERPRET_HERE = "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
-os.environ["TRITON_INTERPRET"] = "1"
+if _CAN_INTERPRET_HERE:  # never claim it after triton loaded compiled: later files trust it
+    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from engine.core.batch import ScheduledSeq  # noqa: E402

@@ -21,7 +21,8 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter tests; test_triton_gpu.py covers CUDA", allow_module_level=True)
 
 _CAN_INTERPRET_HERE = "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
-os.environ["TRITON_INTERPRET"] = "1"
+if _CAN_INTERPRET_HERE:  # never claim it after triton loaded compiled: later files trust it
+    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from engine.runtime.attention import triton_cache_ops, triton_kernels  # noqa: E402
