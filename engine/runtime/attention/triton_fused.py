@@ -18,11 +18,14 @@ every op can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+logger = logging.getLogger(__name__)
 
 # Whether the kernels below were built for the interpreter (triton.jit reads the variable once,
 # when it decorates): they then take CPU tensors, otherwise CUDA ones.
@@ -202,7 +205,14 @@ def _rope_store_kernel(
 
 
 class TritonFusedOps:
-    """Fused ops in Triton kernels, for the model's `fused` slot (see CpuFusedOps)."""
+    """Fused ops in Triton kernels, for the model's `fused` slot (see CpuFusedOps).
+
+    A kernel that fails to build or launch here (a first run on a new GPU or Triton) is
+    logged and declined from then on, so the model runs its torch code: `failed` names them.
+    """
+
+    def __init__(self) -> None:
+        self.failed: set[str] = set()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """x [T, E] or [T, heads, E] (rows may be strided, as q's heads in qkv) ->
@@ -217,8 +227,10 @@ class TritonFusedOps:
         if out.numel() == 0:
             return out
         inner_rows, stride_inner = (1, 0) if x.dim() == 2 else (x.shape[1], x.stride(1))
-        self._norm(x, x, weight, out, x.stride(0), stride_inner, 0, inner_rows, eps, add=False)
-        return out
+        launched = self._norm(
+            x, x, weight, out, x.stride(0), stride_inner, 0, inner_rows, eps, add=False
+        )
+        return out if launched else None
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
@@ -234,8 +246,10 @@ class TritonFusedOps:
         out = torch.empty_like(x)
         if x.numel() == 0:
             return out
-        self._norm(x, delta, weight, out, x.stride(0), 0, delta.stride(0), 1, eps, add=True)
-        return out
+        launched = self._norm(
+            x, delta, weight, out, x.stride(0), 0, delta.stride(0), 1, eps, add=True
+        )
+        return out if launched else None
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
         """gate_up [T, 2I] -> to_dtype(silu(gate)) * up [T, I], as LlamaMLP.forward."""
@@ -270,13 +284,14 @@ class TritonFusedOps:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if out.numel() == 0:
             return out
-        _rope_kernel[(num_tokens,)](
+        launched = self._launch(
+            "rope", _rope_kernel, (num_tokens,),
             _bits(x), _bits(cos), _bits(sin), _bits(out),
             x.stride(0), x.stride(1), cos.stride(0), num_heads, head_dim // 2,
             KIND=_KINDS[x.dtype], HEADS_PAD=triton.next_power_of_2(num_heads),
             HALF_PAD=triton.next_power_of_2(head_dim // 2), enable_fp_fusion=False,
         )  # fmt: skip
-        return out
+        return out if launched else None
 
     def rope_store(
         self,
@@ -315,7 +330,8 @@ class TritonFusedOps:
         if num_tokens == 0:
             return q
         half = head_dim // 2
-        _rope_store_kernel[(num_tokens,)](
+        launched = self._launch(
+            "rope_store", _rope_store_kernel, (num_tokens,),
             _bits(qkv), _bits(cos), _bits(sin), slot_mapping, _bits(q),
             _bits(k_cache), _bits(v_cache),
             qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
@@ -325,7 +341,7 @@ class TritonFusedOps:
             HKV_PAD=triton.next_power_of_2(num_kv_heads),
             HALF_PAD=triton.next_power_of_2(half), enable_fp_fusion=False,
         )  # fmt: skip
-        return q
+        return q if launched else None
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         """Not covered: cuBLAS streams the LM head at bandwidth already."""
@@ -337,10 +353,11 @@ class TritonFusedOps:
 
     def _norm(
         self, x, delta, weight, out, stride_x0, stride_x1, stride_d0, inner_rows, eps, add
-    ) -> None:
+    ) -> bool:
         size = x.shape[-1]
         block = triton.next_power_of_2(size)
-        _rms_norm_kernel[(out.numel() // size,)](
+        return self._launch(
+            "rms_norm", _rms_norm_kernel, (out.numel() // size,),
             _bits(x), _bits(delta), _bits(weight), _bits(out),
             stride_x0, stride_x1, stride_d0, inner_rows, size, float(size), eps,
             KIND=_KINDS[x.dtype], ADD=add, BLOCK=block, num_warps=_row_warps(block),
@@ -357,11 +374,27 @@ class TritonFusedOps:
         if out.numel() == 0:
             return out
         tile = min(triton.next_power_of_2(inter), _GATED_TILE)
-        _gated_kernel[(num_tokens, triton.cdiv(inter, tile))](
+        launched = self._launch(
+            "gated", _gated_kernel, (num_tokens, triton.cdiv(inter, tile)),
             _bits(gate_up), _bits(out), gate_up.stride(0), inter,
             KIND=_KINDS[gate_up.dtype], GELU=gelu, TILE=tile, enable_fp_fusion=False,
         )  # fmt: skip
-        return out
+        return out if launched else None
+
+    def _launch(self, name: str, kernel, grid: tuple[int, ...], *args, **options) -> bool:
+        """kernel[grid](*args, **options); False, and the kernel declined from then on, where
+        it fails (never while a CUDA graph captures: that is a bug to see)."""
+        if name in self.failed:
+            return False
+        try:
+            kernel[grid](*args, **options)
+        except Exception as exc:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            logger.warning("fused Triton kernel %s failed, its torch code runs: %s", name, exc)
+            self.failed.add(name)
+            return False
+        return True
 
 
 def _covers(*tensors: torch.Tensor, dtypes: bool = True) -> bool:

@@ -267,6 +267,39 @@ def test_zero_rows_give_empty_results_without_a_launch(monkeypatch) -> None:
     assert q.shape == (0, 3, 24) and not k_cache.any() and not v_cache.any()
 
 
+class FailingKernel:
+    """A kernel that fails to build, as one might on a first GPU: counts its launches."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.launches += 1
+            raise RuntimeError("out of resources: shared memory")
+
+        return launch
+
+
+@interpreted
+def test_a_kernel_that_fails_is_declined_and_the_model_runs_its_torch_code(monkeypatch) -> None:
+    failing = FailingKernel()
+    monkeypatch.setattr(triton_fused, "_rms_norm_kernel", failing)
+    fused = ops()
+    norm = RMSNorm(40, 1e-5, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        norm.weight.copy_(randn(40, seed=3))
+    x = randn(5, 40)
+    expected = norm(x)  # torch's code (no fused ops yet)
+    norm.fused = fused
+    assert fused.rms_norm(x, norm.weight, 1e-5) is None and fused.failed == {"rms_norm"}
+    assert torch.equal(norm(x), expected)  # declined: the module ran its torch code
+    summed, expected_normed = norm.add_forward(x.clone(), x)  # add + norm: declined too
+    assert torch.equal(summed, x + x) and torch.equal(expected_normed, norm.forward(x + x))
+    assert failing.launches == 1  # tried once, never again
+    assert fused.silu_mul(randn(3, 80)) is not None  # the other kernels still serve
+
+
 @interpreted
 def test_uncovered_calls_are_declined() -> None:
     fused, x, weight = ops(), randn(3, 40), torch.ones(40)
