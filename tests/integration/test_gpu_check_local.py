@@ -105,7 +105,9 @@ def test_the_stages_check_what_they_say(local_check) -> None:
     assert set(serve) == {"chat", "stream", "n=2", "logprobs", "json_schema", "leaked=0"}
     shapes = stages["throughput"]["details"]["shapes"]
     assert set(shapes["tiny"]["decode"]) == {"1", "4"}
-    assert shapes["tiny"]["prefill_tokens_per_s"] > 0
+    assert shapes["tiny"]["prefill_tokens_per_s"] > 0 and not shapes["tiny"]["errors"]
+    for entry in shapes["tiny"]["decode"].values():
+        assert entry["decode_tokens_per_s"] > 0 and entry["bound_tokens_per_s"] > 0
 
 
 def test_a_stage_past_its_cap_reports_what_ran(tmp_path) -> None:
