@@ -94,9 +94,9 @@ class Mode:
         if not local:
             return cls(False, models={"smollm2-135m": SMOLLM2_SHAPE, "llama-1b": LLAMA_1B_SHAPE})
         return cls(
-            True, device="cpu", models={"tiny": TINY_SHAPE}, prompts=3, prompt_len=12,
-            new_tokens=5, crowd=4, batch_sizes=(1, 4), throughput_prompt_len=12,
-            throughput_tokens=4, prefill_tokens=32, hf_batch=4,
+            True, device="cpu", models={"tiny": TINY_SHAPE}, prompts=2, prompt_len=12,
+            new_tokens=4, crowd=3, batch_sizes=(1, 3), throughput_prompt_len=12,
+            throughput_tokens=3, prefill_tokens=32, hf_batch=3,
         )  # fmt: skip
 
 
