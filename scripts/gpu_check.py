@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -753,11 +752,13 @@ JSON_SCHEMA = {
 
 def stage_serve(mode: Mode, out: Path) -> dict:
     """`kvshare serve` on loopback driven by the official openai client, then the leak gauge."""
+    from tests.integration.server import free_port, stop_process, wait_ready
+
     shape = next(iter(mode.models.values()))
     root = Path(tempfile.mkdtemp(prefix="kvshare-gpu-check-serve-"))
     dtype_name = "float32" if mode.local else "bfloat16"
     model_dir = build_model_dir(shape, dtype_name, root, mode.device)
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "app.cli", "serve", "--model", str(model_dir), "--host",
         "127.0.0.1", "--port", str(port), "--device", mode.device, "--dtype", dtype_name,
@@ -770,48 +771,23 @@ def stage_serve(mode: Mode, out: Path) -> dict:
     log_path = out / "serve.log"
     with open(log_path, "a") as server_log:
         server = subprocess.Popen(command, cwd=REPO, stdout=server_log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
         try:
-            checks = _drive_server(f"http://127.0.0.1:{port}", server)
+            wait_ready(base, server, timeout_s=240.0)  # serve.log says why, where it exits
+            checks = _drive_server(base)
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop_process(server)
     ok = all(c["ok"] for c in checks.values())
     line = "; ".join(f"{name} {'ok' if c['ok'] else 'FAILED: ' + c['why']}"
                      for name, c in checks.items())  # fmt: skip
     return {"ok": ok, "line": line, "details": checks}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_ready(base: str, server: subprocess.Popen, timeout_s: float = 240.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"kvshare serve exited with {server.returncode} (serve.log)")
-        try:
-            if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("kvshare serve did not become ready")
-
-
-def _drive_server(base: str, server: subprocess.Popen) -> dict[str, dict]:
+def _drive_server(base: str) -> dict[str, dict]:
     import httpx
     import jsonschema
     import openai
 
-    _wait_ready(base, server)
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
     messages = [{"role": "user", "content": "Say something about the sea."}]
     checks: dict[str, dict] = {}

@@ -24,9 +24,12 @@ import torch.nn.functional as F
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter tests (the kernels take CUDA tensors here)", allow_module_level=True)
 
-_CAN_INTERPRET_HERE = "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
-if _CAN_INTERPRET_HERE:  # never claim it after triton loaded compiled: later files trust it
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.engine.runtime.attention.interpreter import (
+    claim_interpreter,
+    run_in_fresh_process,
+)
+
+_CAN_INTERPRET_HERE = claim_interpreter()
 pytest.importorskip("triton")
 
 from engine.core.batch import ScheduledSeq  # noqa: E402
@@ -55,16 +58,7 @@ DTYPES = pytest.mark.parametrize(
 
 @pytest.mark.skipif(_CAN_INTERPRET_HERE, reason="the tests below run in this process")
 def test_in_fresh_process() -> None:
-    repo_root = Path(__file__).resolve().parents[4]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=repo_root,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_in_fresh_process(__file__)
 
 
 def ops() -> triton_fused.TritonFusedOps:

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +17,12 @@ import torch
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter tests; test_triton_gpu.py covers CUDA", allow_module_level=True)
 
-_CAN_INTERPRET_HERE = "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1"
-if _CAN_INTERPRET_HERE:  # never claim it after triton loaded compiled: later files trust it
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.engine.runtime.attention.interpreter import (
+    claim_interpreter,
+    run_in_fresh_process,
+)
+
+_CAN_INTERPRET_HERE = claim_interpreter()
 pytest.importorskip("triton")
 
 from engine.runtime.attention import triton_cache_ops, triton_kernels  # noqa: E402
@@ -48,16 +48,7 @@ interpreted = pytest.mark.skipif(
 
 @pytest.mark.skipif(_CAN_INTERPRET_HERE, reason="the tests below run in this process")
 def test_in_fresh_process() -> None:
-    repo_root = Path(__file__).resolve().parents[4]
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=repo_root,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_in_fresh_process(__file__)
 
 
 # (chunks as (cached_len, new_tokens), num_decodes, block_size, H, Hkv, D)
