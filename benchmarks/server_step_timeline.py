@@ -6,8 +6,9 @@
 Starts `kvshare serve --config config/cpu.yaml` (plus any flags after `--`) in a child process
 whose engine methods are wrapped with timers, runs benchmarks/serving.py against it, stops it,
 and prints the median of each part of a decode step (steps under 30 ms): the step itself
-(LLMEngine.step) and in it the scheduling, the model run (ModelRunner.execute), the native layer
-stack (NativeDecodeStep.run), the LM head with sampling (ModelRunner._sample), the scheduler's
+(LLMEngine.step) and in it the scheduling, the model run (ModelRunner.launch: on the CPU the
+whole step), the native layer stack (NativeDecodeStep.run), the LM head with sampling
+(ModelRunner._sample), the scheduler's
 update and the stats snapshot; then the gap between two steps and the part of it spent handing
 the outputs to the event loop (AsyncEngine._deliver). It also prints the CPU time each server
 thread used per output token (/proc), next to the client's own figures. Never part of
@@ -34,7 +35,7 @@ sys.path.insert(0, str(REPO))
 TIMED = (
     ("step", "engine.llm_engine:LLMEngine", "step"),
     ("schedule", "engine.sched.scheduler:Scheduler", "schedule"),
-    ("execute", "engine.runtime.model_runner:ModelRunner", "execute"),
+    ("execute", "engine.runtime.model_runner:ModelRunner", "launch"),
     ("native layers", "engine.runtime.cpu.decode_step:NativeDecodeStep", "run"),
     ("LM head + sampling", "engine.runtime.model_runner:ModelRunner", "_sample"),
     ("update", "engine.sched.scheduler:Scheduler", "update_from_output"),

@@ -30,7 +30,7 @@ from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_events import KVEvent
 from engine.runtime.grammar import GrammarCache
-from engine.runtime.model_runner import ModelRunner
+from engine.runtime.model_runner import LaunchedStep, ModelRunner
 from engine.sched.fair_share import FairShareWeights
 from engine.sched.scheduler import Scheduler
 from engine.tier_setup import build_kv_tier, save_cached_blocks, tier_figures
@@ -42,6 +42,22 @@ logger = logging.getLogger(__name__)
 
 _MAX_RECENT_STEPS = 10_000
 _IDLE_READ_WAIT_S = 0.005  # an empty step waits this long at most for a tier read in flight
+
+
+@dataclass
+class _InFlight:
+    """A step the runner has queued, and its schedule."""
+
+    sched_out: SchedulerOutput
+    launched: LaunchedStep
+
+
+def resolve_async_scheduling(setting: str, runner: ModelRunner) -> bool:
+    """EngineConfig.async_scheduling: auto is on where a CUDA device runs the steps (the host
+    schedules while it works), off on the CPU (the same cores would do both)."""
+    if setting == "auto":
+        return runner.device.type == "cuda"
+    return setting == "on"
 
 
 @dataclass
@@ -94,6 +110,8 @@ class LLMEngine:
         )  # drills only
         self.step_samples: deque[StepSample] = deque(maxlen=_MAX_RECENT_STEPS)
         self._num_steps = 0
+        self.async_scheduling = resolve_async_scheduling(config.async_scheduling, self.runner)
+        self._in_flight: _InFlight | None = None  # a lookahead step queued by the last step()
         self.latest_stats = self._snapshot(None)
 
     def _build_kv_event_publisher(self) -> KVEventPublisher | None:
@@ -192,8 +210,12 @@ class LLMEngine:
         return [output] if output is not None else []
 
     def has_unfinished_requests(self) -> bool:
-        """Requests (or cache audits) are still in progress."""
-        return self.scheduler.has_unfinished_requests() or self.auditor.num_pending > 0
+        """Requests (or cache audits, or a step in flight) are still in progress."""
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self.auditor.num_pending > 0
+            or self._in_flight is not None
+        )
 
     # -- stepping -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -201,43 +223,86 @@ class LLMEngine:
 
         An exception inside the model fails only the sequences of this batch; the engine
         stays usable for everything else.
+
+        Async scheduling (engine/sched/lookahead.py): where the outputs allow it, the next
+        step is scheduled and queued before this one's tokens are read, and the next step()
+        call starts from it instead of scheduling. Each call still returns one step's deltas.
         """
         started = time.perf_counter()
+        current, self._in_flight = self._in_flight, None
+        if current is None:
+            try:
+                sched_out = self.scheduler.schedule()
+            except Exception:  # what it loaded or spilled before failing never reaches a runner
+                self.kv_cache_manager.drop_pending_transfers()
+                raise
+            self.auditor.start(self.scheduler.take_cache_hits())  # before execute: logits kept
+            if sched_out.is_empty and not sched_out.has_transfers:
+                return self._idle_step(sched_out)
+            try:
+                current = _InFlight(sched_out, self.runner.launch(sched_out))
+            except Exception as exc:  # an engine fault: fail what it touched, keep serving
+                return self._fail_step(sched_out, exc)
+        outputs = self._launch_lookahead(current)
         try:
-            sched_out = self.scheduler.schedule()
-        except Exception:  # what it loaded or spilled before failing never reaches a runner
-            self.kv_cache_manager.drop_pending_transfers()
-            raise
-        self.auditor.start(self.scheduler.take_cache_hits())  # before execute: logits kept
-        if sched_out.is_empty and not sched_out.has_transfers:
-            # Requests the scheduler finished without running (e.g. never fit) still report.
-            self.runner.grammar_matchers.release(sched_out.finished_request_ids)
-            outputs = self.scheduler.update_from_output(sched_out, ModelRunnerOutput())
-            self._run_audits(sched_out)
-            self._publish(None)
-            if not outputs:  # nothing ran: a request may wait on its tier blocks being read
-                self.kv_cache_manager.wait_for_tier_reads(_IDLE_READ_WAIT_S)
-            return outputs
-        try:
-            runner_out = self.runner.execute(sched_out)
-        except Exception as exc:  # an engine fault: fail what it touched, keep serving
-            logger.exception("model step failed; failing %d sequences", len(sched_out.seqs))
-            message = f"engine fault while running the model: {type(exc).__name__}: {exc}"
-            self.kv_cache_manager.store_spilled(sched_out.block_spills, [])  # counted as lost
-            self.kv_cache_manager.drop_unwritten(sched_out.block_loads)  # they hold no KV
-            self.auditor.drop_reading({load.block_id for load in sched_out.block_loads})
-            outputs = self.scheduler.fail_seqs([s.seq_id for s in sched_out.seqs], message)
-            self._publish(None)
-            return outputs
-        outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        self._run_audits(sched_out)
+            runner_out = current.launched.result()
+        except Exception as exc:
+            dropped, self._in_flight = self._in_flight, None
+            if dropped is not None:  # queued behind it, on its sequences: failed with them
+                self.scheduler.drop_lookahead()
+                outputs += self._fail_step(dropped.sched_out, exc, publish=False)
+            return outputs + self._fail_step(current.sched_out, exc)
+        outputs += self.scheduler.update_from_output(current.sched_out, runner_out)
+        self._run_audits(current.sched_out)
         sample = StepSample(
             duration_s=time.perf_counter() - started,
-            num_seqs=len(sched_out.seqs),
-            num_tokens=sched_out.num_batched_tokens,
+            num_seqs=len(current.sched_out.seqs),
+            num_tokens=current.sched_out.num_batched_tokens,
         )
         self.step_samples.append(sample)
         self._publish(sample)
+        return outputs
+
+    def _launch_lookahead(self, current: _InFlight) -> list[RequestOutput]:
+        """Schedule and queue the step after `current` where async scheduling is on and the
+        outputs allow it (it becomes _in_flight); the deltas of a lookahead that failed."""
+        if not self.async_scheduling or self.auditor.num_pending:
+            return []
+        if current.launched.token_ids is None:
+            return []
+        sched_out = self.scheduler.schedule_lookahead(current.sched_out)
+        if sched_out is None:
+            return []
+        try:
+            self._in_flight = _InFlight(sched_out, self.runner.launch(sched_out, current.launched))
+        except Exception as exc:  # its copies may not be made: fail its sequences
+            self.scheduler.drop_lookahead()
+            return self._fail_step(sched_out, exc, publish=False)
+        return []
+
+    def _idle_step(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
+        """A step with nothing to run: requests the scheduler finished without running (e.g.
+        never fit) still report."""
+        self.runner.grammar_matchers.release(sched_out.finished_request_ids)
+        outputs = self.scheduler.update_from_output(sched_out, ModelRunnerOutput())
+        self._run_audits(sched_out)
+        self._publish(None)
+        if not outputs:  # nothing ran: a request may wait on its tier blocks being read
+            self.kv_cache_manager.wait_for_tier_reads(_IDLE_READ_WAIT_S)
+        return outputs
+
+    def _fail_step(
+        self, sched_out: SchedulerOutput, exc: Exception, publish: bool = True
+    ) -> list[RequestOutput]:
+        """An engine fault in a step: fail its sequences, give back its transfers."""
+        logger.error("model step failed; failing %d sequences", len(sched_out.seqs), exc_info=exc)
+        message = f"engine fault while running the model: {type(exc).__name__}: {exc}"
+        self.kv_cache_manager.store_spilled(sched_out.block_spills, [])  # counted as lost
+        self.kv_cache_manager.drop_unwritten(sched_out.block_loads)  # they hold no KV
+        self.auditor.drop_reading({load.block_id for load in sched_out.block_loads})
+        outputs = self.scheduler.fail_seqs([s.seq_id for s in sched_out.seqs], message)
+        if publish:
+            self._publish(None)
         return outputs
 
     def _run_audits(self, sched_out: SchedulerOutput) -> None:
@@ -283,7 +348,8 @@ class LLMEngine:
     def close(self) -> None:
         """Stop what runs beside the engine (the KV event publisher, after sending what is
         queued; the second tier, after writing the pool's cached blocks to it when it is on
-        disk with warm restart). Safe to call again."""
+        disk with warm restart). Safe to call again. A step in flight is applied first."""
+        self._apply_in_flight()
         if self.kv_tier is not None and not self.kv_tier.is_closed:
             if self.kv_cache_manager.tier_link is not None:
                 self.kv_cache_manager.tier_link.close()
@@ -294,6 +360,20 @@ class LLMEngine:
         if self.kv_event_publisher is not None:
             self._flush_kv_events()
             self.kv_event_publisher.close()
+
+    def _apply_in_flight(self) -> None:
+        """Wait for the lookahead step in flight, if any, and apply it (its deltas go nowhere:
+        only close() calls this)."""
+        current, self._in_flight = self._in_flight, None
+        if current is None:
+            return
+        try:
+            runner_out = current.launched.result()
+        except Exception:
+            logger.exception("the step in flight at close failed")
+            self.scheduler.fail_seqs([s.seq_id for s in current.sched_out.seqs], "engine closed")
+            return
+        self.scheduler.update_from_output(current.sched_out, runner_out)
 
     def save_cached_blocks(self) -> int:
         """Write the prefix tree's blocks the second tier lacks into it and wait for the

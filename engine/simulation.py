@@ -14,7 +14,13 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from engine.core.batch import ModelRunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
+from engine.core.batch import (
+    PLACEHOLDER_TOKEN,
+    ModelRunnerOutput,
+    SampledToken,
+    ScheduledSeq,
+    SchedulerOutput,
+)
 from engine.kv.block_pool import BlockPool
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.kv_tier import KVTier
@@ -41,6 +47,10 @@ class SimulatedRunner:
     reads each scheduled sequence's whole context back through its block table and asserts it
     equals the sequence's tokens: a sharing, copy-on-write or slot bug fails there. The sampled
     tokens come from next_token(spec prompt, seed, spec output_index).
+
+    A lookahead step (SchedulerOutput.previous_token_rows) takes its rows' input tokens from
+    `previous_tokens`, the tokens the step before it sampled, one per row, as a GPU reads them
+    on the device; its sequences still hold the placeholder then.
     """
 
     def __init__(self, scheduler: Scheduler) -> None:
@@ -50,8 +60,16 @@ class SimulatedRunner:
         self.kv: list[int | None] = [None] * (manager.num_total_blocks * self.block_size)
         self.steps: list[SchedulerOutput] = []
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, out: SchedulerOutput, previous_tokens: list[int] | None = None
+    ) -> ModelRunnerOutput:
         self.steps.append(out)
+        pending: dict[int, int] = {}  # seq_id -> its input token, for lookahead rows
+        if out.previous_token_rows is not None:
+            assert previous_tokens is not None, "a lookahead step without the step before it"
+            for scheduled, row in zip(out.seqs, out.previous_token_rows, strict=True):
+                assert scheduled.token_ids == [PLACEHOLDER_TOKEN]
+                pending[scheduled.seq_id] = previous_tokens[row]
         spilled = [self.block_bytes(spill.block_id) for spill in out.block_spills]
         for load in out.block_loads:
             content = json.loads(load.payload)
@@ -62,11 +80,15 @@ class SimulatedRunner:
         blocks = [self._block(copy.src) for copy in out.block_copies]  # gather, then scatter
         for copy, content in zip(out.block_copies, blocks, strict=True):
             self.kv[copy.dst * self.block_size : (copy.dst + 1) * self.block_size] = content
-        tokens = [token for scheduled in out.seqs for token in scheduled.token_ids]
+        tokens = [
+            pending.get(scheduled.seq_id, token)
+            for scheduled in out.seqs
+            for token in scheduled.token_ids
+        ]
         assert len(tokens) == len(out.slot_mapping)
         for slot, token in zip(out.slot_mapping, tokens, strict=True):
             self.kv[slot] = token
-        sampled = {s.seq_id: self._sample(s) for s in out.seqs if s.sample}
+        sampled = {s.seq_id: self._sample(s, pending.get(s.seq_id)) for s in out.seqs if s.sample}
         return ModelRunnerOutput(sampled, spilled_kv=spilled)
 
     def block_bytes(self, block_id: int) -> bytes:
@@ -76,14 +98,19 @@ class SimulatedRunner:
     def _block(self, block_id: int) -> list[int | None]:
         return self.kv[block_id * self.block_size : (block_id + 1) * self.block_size]
 
-    def _sample(self, scheduled: ScheduledSeq) -> list[SampledToken]:
+    def _sample(self, scheduled: ScheduledSeq, pending: int | None) -> list[SampledToken]:
+        """pending: a lookahead row's input token, which its sequence holds as a placeholder."""
         size = self.block_size
         context = [
             self.kv[scheduled.block_ids[p // size] * size + p % size]
             for p in range(scheduled.context_len)
         ]
         seq = self.scheduler.get_seq(scheduled.seq_id)
-        assert context == seq.token_slice(0, scheduled.context_len), f"seq {seq.seq_id}"
+        expected = seq.token_slice(0, scheduled.context_len)
+        if pending is not None:
+            assert expected[-1] == PLACEHOLDER_TOKEN, f"seq {seq.seq_id}"
+            expected[-1] = pending
+        assert context == expected, f"seq {seq.seq_id}"
         spec = scheduled.sample
         sampled = [
             SampledToken(next_token(spec.prompt_token_ids, seed, spec.output_index))

@@ -510,13 +510,14 @@ def random_prompts(
 
 def stage_engine(mode: Mode, out: Path) -> dict:
     """Greedy tokens against HF on the same weights (fp32 exact, bf16 by agreement), CUDA
-    graphs against eager, the prefix cache on against off, a seeded request alone against
+    graphs against eager, async scheduling against synchronous steps, the prefix cache on
+    against off, a seeded request alone against
     the same request in a crowd."""
     name, shape = next(iter(mode.models.items()))
     root = Path(tempfile.mkdtemp(prefix="kvshare-gpu-check-"))
     checks: dict[str, dict] = {}
     for check in (_fp32_equals_hf, _bf16_agrees_with_hf, _graphs_equal_eager,
-                  _cache_on_equals_off, _seeded_alone_equals_crowd,
+                  _async_equals_sync, _cache_on_equals_off, _seeded_alone_equals_crowd,
                   _host_syncs_per_decode_step):  # fmt: skip
         if not mode.time_left():
             checks[check.__name__.strip("_")] = {"ok": False, "line": "not run (time cap)"}
@@ -650,6 +651,36 @@ def _graphs_equal_eager(mode: Mode, shape: dict, root: Path) -> dict:
         release(engine)
     equal = sum(a == b for a, b in zip(runs[False], runs[True], strict=True))
     return {"ok": equal == len(prompts), "line": f"graphs = eager on {equal}/{len(prompts)}"}
+
+
+def _async_equals_sync(mode: Mode, shape: dict, root: Path) -> dict:
+    """Lookahead steps (engine/sched/lookahead.py) against synchronous ones: greedy and
+    seeded requests of several lengths together, with CUDA graphs on a GPU; the same tokens,
+    and the lookahead steps counted (they must have run)."""
+    from engine.core.sampling_params import SamplingParams
+    from engine.llm_engine import LLMEngine
+
+    # fp32: the lookahead drops rows of finished sequences, so batch shapes differ
+    dtype_name = "float32"
+    model_dir = build_model_dir(shape, dtype_name, root, mode.device)
+    vocab = shape["vocab_size"]
+    prompts = random_prompts(mode.prompts + 2, mode.prompt_len, vocab, seed=12)
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, top_p=1.0 if i % 2 else 0.9,
+                       max_tokens=mode.new_tokens + 3 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    runs, num_lookaheads = {}, 0
+    for setting in ("off", "on"):
+        engine = LLMEngine(engine_config(mode, model_dir, dtype_name, async_scheduling=setting,
+                                         enable_prefix_cache=False))  # fmt: skip
+        runs[setting] = [r.token_ids for r in engine.generate(prompts, params)]
+        num_lookaheads = engine.stats().num_lookahead_steps
+        release(engine)
+    equal = sum(a == b for a, b in zip(runs["on"], runs["off"], strict=True))
+    ok = equal == len(prompts) and num_lookaheads > 0
+    line = f"async = sync on {equal}/{len(prompts)} ({num_lookaheads} lookahead steps)"
+    return {"ok": ok, "line": line, "lookahead_steps": num_lookaheads}
 
 
 def _cache_on_equals_off(mode: Mode, shape: dict, root: Path) -> dict:
@@ -957,6 +988,12 @@ def _throughput_of(mode: Mode, shape: dict, dtype_name: str, root: Path, bandwid
         step_bytes = weight_bytes + batch * context * kv_bytes_per_token
         result["decode"][batch] = {**rates, "bound_tokens_per_s": batch * bandwidth / step_bytes}
     result["batch1_step_ms"] = measure("batch-1 step", lambda: _batch1_step_ms(engine, mode, vocab))
+    if engine.async_scheduling:  # the same steps scheduled one after another
+        engine.async_scheduling = False
+        result["batch1_step_ms_sync"] = measure(
+            "batch-1 step, synchronous", lambda: _batch1_step_ms(engine, mode, vocab)
+        )
+        engine.async_scheduling = True
     result["batch1_bound_ms"] = 1e3 * (weight_bytes + mode.throughput_prompt_len
                                        * kv_bytes_per_token) / bandwidth  # fmt: skip
     result["prefill_tokens_per_s"] = measure("prefill", lambda: _prefill_rate(engine, mode, vocab))
@@ -1083,6 +1120,8 @@ def _throughput_line(result: dict) -> str:
     if result.get("batch1_step_ms") is not None:
         parts.append(f"b1 step {result['batch1_step_ms']:.2f} ms vs bound "
                      f"{result['batch1_bound_ms']:.2f} ms")  # fmt: skip
+    if result.get("batch1_step_ms_sync") is not None:
+        parts.append(f"b1 step {result['batch1_step_ms_sync']:.2f} ms without async scheduling")
     if result.get("prefill_tokens_per_s") is not None:
         parts.append(f"prefill {result['prefill_tokens_per_s']:.0f} tok/s")
     if result.get("vs_hf_at_largest_batch") is not None:

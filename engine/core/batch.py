@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from engine.core.sampling_params import SamplingParams
 
+# A lookahead decode's input token (SchedulerOutput.previous_token_rows): the step before it
+# has not sampled it yet, so the runner reads it on the device. Never a valid token id.
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass
 class SampleSpec:
@@ -113,6 +117,10 @@ class SchedulerOutput:
     SchedulerOutput, so the runtime drops what it keeps per request (grammar matchers).
     num_spare_tokens: what other work (the cache audit) may compute after this step: the
     budget left unused, within the fair-share prefill cap.
+    previous_token_rows: a lookahead step (scheduled while the step before it runs, every
+    sequence a plain decode: Scheduler.schedule_lookahead) gives, per sequence, the row of
+    that step's sampled tokens its input token is (token_ids holds PLACEHOLDER_TOKEN); None
+    for every other step.
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
@@ -123,6 +131,7 @@ class SchedulerOutput:
     num_decodes: int = 0
     finished_request_ids: list[str] = field(default_factory=list)
     num_spare_tokens: int = 0
+    previous_token_rows: list[int] | None = None
 
     @property
     def num_batched_tokens(self) -> int:

@@ -28,6 +28,8 @@ QUANTIZATIONS = ("none", "native", "q8_0", "fp16", "int8")
 MAX_SCHEMA_BYTES_CEILING = 1024 * 1024
 # config key -> the values it may take
 KV_TIERS = ("off", "disk", "host")
+ASYNC_SCHEDULING = ("auto", "on", "off")
+
 CHOICES: dict[str, tuple[object, ...]] = {
     "dtype": DTYPES,
     "kv_cache_dtype": DTYPES,
@@ -37,6 +39,7 @@ CHOICES: dict[str, tuple[object, ...]] = {
     "block_size": BLOCK_SIZES,
     "quantization": QUANTIZATIONS,
     "kv_tier": KV_TIERS,
+    "async_scheduling": ASYNC_SCHEDULING,
 }
 
 
@@ -102,6 +105,10 @@ class EngineConfig:
     fair_share_active_seconds: float = 1.0  # 0: only tenants with a live request are active
     attention_backend: str = "auto"  # auto | torch | cpu | triton
     enforce_eager: bool = False  # CUDA: no CUDA graphs
+    # Schedule a decode step while the one before it runs (engine/sched/lookahead.py): auto
+    # | on | off (auto: on with CUDA, where the host's scheduling then hides behind the GPU;
+    # off on the CPU, whose cores run both).
+    async_scheduling: str = "auto"
     native_decode: bool = True  # CPU, block weights: decode steps' layers in one native call
     num_threads: int | None = None  # CPU: torch threads (None: torch's default)
     cache_dir: str | None = None  # None: $KVSHARE_CACHE_DIR or ~/.cache/kvshare

@@ -150,6 +150,7 @@ class EngineStats:
     fair_share_counter_spread: float = 0.0  # max - min of the tenants' virtual token counters
     # Monotonic counters.
     num_preemptions: int = 0
+    num_lookahead_steps: int = 0  # decode steps scheduled while the one before ran
     num_prompt_tokens: int = 0
     num_prefill_tokens: int = 0  # actually computed
     num_generation_tokens: int = 0

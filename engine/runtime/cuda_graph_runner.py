@@ -306,9 +306,15 @@ class CudaGraphRunner:
         )
         return batch_size, num_splits
 
-    def replay(self, sched_out: SchedulerOutput) -> torch.Tensor:
-        """Run a decode-only step (can_replay() holds): hidden states [B, E], row i = seq i."""
+    def replay(
+        self, sched_out: SchedulerOutput, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run a decode-only step (can_replay() holds): hidden states [B, E], row i = seq i.
+        tokens: a lookahead step's input tokens on the device, for its first rows (their
+        token_ids hold placeholders), copied in after the host's values."""
         key = self.load(sched_out)
+        if tokens is not None:
+            self.buffers.input_ids[: tokens.shape[0]].copy_(tokens)
         self.graphs[key].replay()
         self.num_replays += 1
         return self.outputs[key][: len(sched_out.seqs)]

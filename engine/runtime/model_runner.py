@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +42,28 @@ logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 1 << 30
 _GIB = float(1 << 30)
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued (ModelRunner.launch). token_ids: its sampled rows'
+    tokens on the device, row i for the i-th sampled row, where every row draws one token
+    (else None); result() waits for them on the host and returns the step's output."""
+
+    token_ids: torch.Tensor | None
+    result: Callable[[], ModelRunnerOutput]
+
+    def adding(self, **fields: Any) -> LaunchedStep:
+        """This step, with `fields` (found at launch) set on its output when it is read."""
+        finish = self.result
+
+        def result() -> ModelRunnerOutput:
+            output = finish()
+            for name, value in fields.items():
+                setattr(output, name, value)
+            return output
+
+        return LaunchedStep(self.token_ids, result)
 
 
 def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype | str) -> int:
@@ -135,39 +159,61 @@ class ModelRunner:
         """Read the second tier's spills, write its loads, apply copy-on-write copies (in that
         order: engine/core/batch.py), then run the forward over the batch and sample its last
         tokens; score the prompt positions of the chunks that ask (prompt_logprobs.py)."""
+        return self.launch(sched_out).result()
+
+    def launch(
+        self, sched_out: SchedulerOutput, previous: LaunchedStep | None = None
+    ) -> LaunchedStep:
+        """execute() with the host's wait for the sampled tokens left to result(): on CUDA the
+        step's work is queued, so the next one (a lookahead step, whose previous_token_rows
+        read `previous`'s tokens on the device) can be scheduled and queued behind it."""
         self.grammar_matchers.release(sched_out.finished_request_ids)
         spilled = read_blocks(self.kv_caches, [spill.block_id for spill in sched_out.block_spills])
         write_blocks(self.kv_caches, sched_out.block_loads)
         if sched_out.block_copies:
             self._copy_blocks(sched_out.block_copies)
-        output = self._run(sched_out)
-        output.spilled_kv = spilled
-        return output
+        return self._run(sched_out, previous).adding(spilled_kv=spilled)
 
-    def _run(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+    def _run(self, sched_out: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
         if sched_out.is_empty:
-            return ModelRunnerOutput()
+            return LaunchedStep(None, ModelRunnerOutput)
         self._check_seqs(sched_out.seqs)
-        if self.graph_runner is not None and self.graph_runner.can_replay(sched_out):
-            return self._execute_graph(sched_out)
-        inputs = prepare_inputs(sched_out, self.device, self.tile_prompts)
-        meta = inputs.meta
-        # Only the sampled rows' hidden states are read unless prompt positions are scored:
-        # the model may then skip the rest past the last K/V store.
-        scores_prompts = any(seq.prompt_logprobs is not None for seq in sched_out.seqs)
-        rows = None if scores_prompts else inputs.logits_indices
         with torch.inference_mode():
+            tokens = self._previous_tokens(sched_out, previous)
+            if self.graph_runner is not None and self.graph_runner.can_replay(sched_out):
+                return self._launch_graph(sched_out, tokens)
+            inputs = prepare_inputs(sched_out, self.device, self.tile_prompts)
+            if tokens is not None:  # lookahead decodes come first, one token each
+                inputs.input_ids[: tokens.shape[0]].copy_(tokens)
+            meta = inputs.meta
+            # Only the sampled rows' hidden states are read unless prompt positions are
+            # scored: the model may then skip the rest past the last K/V store.
+            scores_prompts = any(seq.prompt_logprobs is not None for seq in sched_out.seqs)
+            rows = None if scores_prompts else inputs.logits_indices
             hidden = self.model(
                 inputs.input_ids, inputs.positions, meta, self.kv_caches, self.attn_backend,
                 output_rows=rows,
             )  # fmt: skip
             sampled = hidden if rows is not None else hidden[inputs.logits_indices]  # [S, E]
-            output = self._sample(sampled, inputs.sample_seq_ids, inputs.sample_specs)
-            if scores_prompts:  # hidden [T, E]: every row
-                output.prompt_logprobs = score_prompt_rows(
-                    self.model.compute_logits, hidden, sched_out.seqs, meta.query_start_loc_host
-                )
-            return output
+            launched = self._sample(sampled, inputs.sample_seq_ids, inputs.sample_specs)
+            if not scores_prompts:
+                return launched
+            prompt_logprobs = score_prompt_rows(  # hidden [T, E]: every row
+                self.model.compute_logits, hidden, sched_out.seqs, meta.query_start_loc_host
+            )
+            return launched.adding(prompt_logprobs=prompt_logprobs)
+
+    def _previous_tokens(
+        self, sched_out: SchedulerOutput, previous: LaunchedStep | None
+    ) -> torch.Tensor | None:
+        """A lookahead step's input tokens, on the device: [num lookahead rows] int64."""
+        rows = sched_out.previous_token_rows
+        if rows is None:
+            return None
+        if previous is None or previous.token_ids is None:
+            raise ValueError("a lookahead step needs the step before it, with one token per row")
+        (index,) = split_to_device([rows], self.device)
+        return previous.token_ids.index_select(0, index.to(previous.token_ids.device))
 
     def _sample(
         self,
@@ -175,27 +221,33 @@ class ModelRunner:
         seq_ids: list[int],
         specs: list[SampleSpec],
         head: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> ModelRunnerOutput:
+    ) -> LaunchedStep:
         """hidden [S, E]: the last-token rows of the sampled sequences, in seq_ids order;
         head: their logits [S, V] and argmax [S] where a CUDA graph computed them."""
         if not specs:
-            return ModelRunnerOutput()
-        sampled = None
+            return LaunchedStep(None, ModelRunnerOutput)
+        drawn = None
         if not self._capture_seq_ids:
             # Greedy rows need no logits: the model may find the argmax from fewer of them.
             greedy = (lambda: head[1]) if head is not None else None
-            sampled = self.sampler.by_argmax(
+            drawn = self.sampler.draw_by_argmax(
                 specs, greedy or (lambda: self.model.greedy_tokens(hidden))
             )
-        if sampled is None:
+        if drawn is None:
             logits = head[0] if head is not None else self.model.compute_logits(hidden)  # [S, V]
             if self._capture_seq_ids:
                 self._capture_logits(logits, seq_ids, specs)
-            sampled = self.sampler(logits, specs)
-        output = ModelRunnerOutput()
-        for seq_id, tokens in zip(seq_ids, sampled, strict=True):
-            output.sampled.setdefault(seq_id, []).extend(tokens)  # a draft's rows, in order
-        return output
+            drawn = self.sampler.draw(logits, specs)
+        one_each = all(len(spec.seeds) == 1 for spec in specs)  # token_ids row i = spec i
+        finish = drawn.result
+
+        def result() -> ModelRunnerOutput:
+            output = ModelRunnerOutput()
+            for seq_id, tokens in zip(seq_ids, finish(), strict=True):
+                output.sampled.setdefault(seq_id, []).extend(tokens)  # a draft's rows, in order
+            return output
+
+        return LaunchedStep(drawn.token_ids if one_each else None, result)
 
     # -- cache audit --------------------------------------------------------------------------
     def capture_prompt_logits(self, seq_id: int) -> None:
@@ -248,18 +300,20 @@ class ModelRunner:
             return {sched_out.seqs[i].seq_id: logits[j].float() for j, i in enumerate(wanted)}
 
     # -- CUDA graphs (runtime/cuda_graph_runner.py): decode-only steps replay a captured graph --
-    def _execute_graph(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+    def _launch_graph(
+        self, sched_out: SchedulerOutput, tokens: torch.Tensor | None
+    ) -> LaunchedStep:
+        """tokens: a lookahead step's input tokens on the device (its rows come first)."""
         seqs = sched_out.seqs
         rows = [i for i, seq in enumerate(seqs) if seq.sample is not None]
         seq_ids, specs = [seqs[i].seq_id for i in rows], [seqs[i].sample for i in rows]
-        with torch.inference_mode():
-            hidden = self.graph_runner.replay(sched_out)  # [B, E], row i = sequence i
-            head = self.graph_runner.head_outputs(len(seqs))  # the graph's logits and argmax
-            if len(rows) < len(seqs):
-                index = split_to_device([rows], self.device)[0]
-                hidden = hidden[index]  # [S, E]
-                head = None if head is None else (head[0][index], head[1][index])
-            return self._sample(hidden, seq_ids, specs, head)
+        hidden = self.graph_runner.replay(sched_out, tokens)  # [B, E], row i = sequence i
+        head = self.graph_runner.head_outputs(len(seqs))  # the graph's logits and argmax
+        if len(rows) < len(seqs):
+            index = split_to_device([rows], self.device)[0]
+            hidden = hidden[index]  # [S, E]
+            head = None if head is None else (head[0][index], head[1][index])
+        return self._sample(hidden, seq_ids, specs, head)
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
         reason = graphs_disabled_reason(

@@ -10,7 +10,8 @@ grammar let through).
 Sampling uses the exponential race: argmax_v p[v] / E[v] with E[v] = -log u[v] is an exact
 draw from p, and u[v] = hash(seed, t, v) needs no generator state, so no other row, step or
 batch order can change a seeded row's token. Every stage is vectorised over rows. On CUDA
-the one host sync is the final .tolist(); on the CPU, where syncs cost nothing, top_p also
+the one host sync is the final .tolist() (Drawn.result(): a lookahead step is queued before
+it, reading the ids on the device); on the CPU, where syncs cost nothing, top_p also
 checks whether its candidate set (a top-k, far cheaper than a full sort) holds the nucleus.
 """
 
@@ -93,6 +94,16 @@ def _changes_logits(draw: _Draw) -> bool:
     )
 
 
+@dataclass
+class Drawn:
+    """Draws whose device work is queued: token_ids [N] (one per draw, specs' order, seeds in
+    order; None when there is none) stays on the device for a lookahead step to read;
+    result() waits for the host copy and gives what Sampler.__call__ returns."""
+
+    token_ids: torch.Tensor | None
+    result: Callable[[], list[list[SampledToken]]]
+
+
 class Sampler:
     """Stateless between calls but for the grammar matchers; `eos_token_ids` are what
     min_tokens keeps from being drawn. `grammars` masks the draws whose spec has
@@ -114,14 +125,18 @@ class Sampler:
         self, logits: torch.Tensor, specs: Sequence[SampleSpec]
     ) -> list[list[SampledToken]]:
         """logits [B, V] (row i belongs to specs[i]) -> per spec, one SampledToken per seed."""
+        return self.draw(logits, specs).result()
+
+    def draw(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> Drawn:
+        """__call__ with the host's wait left to Drawn.result(): the device work is queued."""
         draws = self._draws(specs)
         if not draws:
-            return [[] for _ in specs]
+            return Drawn(None, lambda: [[] for _ in specs])
         raw = self._expand(logits, draws)  # [N, V]
         processed = self._process(raw, draws)
         token_ids = self._choose(processed, draws)  # [N]
         packed = self._pack(raw, token_ids, draws)
-        return self._unpack(packed.tolist(), specs, draws)
+        return Drawn(token_ids, lambda: self._unpack(packed.tolist(), specs, draws))
 
     def by_argmax(
         self, specs: Sequence[SampleSpec], argmax: Callable[[], torch.Tensor | None]
@@ -129,6 +144,14 @@ class Sampler:
         """What __call__ returns, from each row's argmax alone (argmax(): token ids [B], or None
         to decline), where every draw of `specs` is its row's argmax of the raw logits: greedy,
         no stage that changes logits, no logprobs. None otherwise (compute the logits)."""
+        drawn = self.draw_by_argmax(specs, argmax)
+        return None if drawn is None else drawn.result()
+
+    def draw_by_argmax(
+        self, specs: Sequence[SampleSpec], argmax: Callable[[], torch.Tensor | None]
+    ) -> Drawn | None:
+        """by_argmax with the host's wait left to Drawn.result(). The ids are copied: argmax()
+        may return a buffer the next step writes (a CUDA graph's static output)."""
         draws = self._draws(specs)
         if not draws or not all(
             d.params.is_greedy and d.params.logprobs is None and not _changes_logits(d)
@@ -138,8 +161,13 @@ class Sampler:
         token_ids = argmax()
         if token_ids is None:
             return None
-        chosen = token_ids.tolist()
-        return self._unpack([chosen[d.row] for d in draws], specs, draws)
+        if [d.row for d in draws] != list(range(token_ids.shape[0])):
+            token_ids = token_ids.index_select(
+                0, self._tensor([d.row for d in draws], token_ids.device)
+            )
+        else:
+            token_ids = token_ids.clone()
+        return Drawn(token_ids, lambda: self._unpack(token_ids.tolist(), specs, draws))
 
     def processed_logits(self, logits: torch.Tensor, specs: Sequence[SampleSpec]) -> torch.Tensor:
         """The logits after grammar masks, bias, min_tokens and penalties: [N, V], one row

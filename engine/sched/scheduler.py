@@ -38,6 +38,7 @@ from engine.sched.fair_share import (
     preemption_victim,
     tenants_over_share,
 )
+from engine.sched.lookahead import Lookahead
 from engine.sched.output_processor import OutputProcessor
 from engine.sched.request_table import RequestTable
 from engine.sched.scheduler_stats import SchedulerCounters, engine_stats
@@ -107,6 +108,7 @@ class Scheduler(StepAdmission):
             proposer, kv_cache_manager, max_model_len, max_decodes=speculative_max_decodes
         )
         self._was_solo = False  # the last step was one tenant's alone (fair share)
+        self.lookahead = Lookahead(self.table, kv_cache_manager, max_model_len)
         self.output_processor = OutputProcessor(
             self.table,
             kv_cache_manager,
@@ -274,10 +276,32 @@ class Scheduler(StepAdmission):
         Returns one delta per request that changed, plus requests finished outside a step.
         Sequences finished since schedule() (aborted, failed) are skipped.
         """
+        in_flight = self.lookahead.rewind()  # the next step's decodes, scheduled already
         self.kv_cache_manager.store_spilled(scheduler_output.block_spills, runner_output.spilled_kv)
         outputs = self.output_processor.process(scheduler_output, runner_output)
+        self.lookahead.advance(in_flight)
         self._observe_tenants()  # the requests that ended in this step end now
         return outputs
+
+    def schedule_lookahead(self, previous: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `previous`, scheduled before update_from_output(previous) (async
+        scheduling, engine/sched/lookahead.py): `previous`'s decodes once more, each on the
+        token `previous` samples for it (previous_token_rows). None where the outputs do
+        not allow it; then update_from_output(previous) comes first, then schedule()."""
+        if not self.lookahead.allows(previous, may_draft=self.spec.proposer is not None):
+            return None
+        self._num_steps += 1
+        step = StepBuilder(self.kv_cache_manager, self.max_num_batched_tokens)
+        rows = self.lookahead.build(previous, step)
+        step.output.num_decodes = len(step.output.seqs)
+        step.output.previous_token_rows = rows
+        self.counters.num_lookahead_steps += 1
+        return self._finish_schedule(step, num_spare_tokens=0)
+
+    def drop_lookahead(self) -> None:
+        """The lookahead step will not run (a fault): its sequences as schedule() left them;
+        the engine fails them, since the copies it scheduled were not made."""
+        self.lookahead.rewind()
 
     def check_integrity(self) -> None:
         """Queues, statuses and block tables agree; refcounts == live references; the

@@ -27,6 +27,7 @@ class SchedulerCounters:
     num_write_violations: int = 0  # slot mappings into shared / cached blocks (requests failed)
     num_spec_draft_tokens: int = 0  # speculative draft tokens verified
     num_spec_accepted_tokens: int = 0  # of those, kept (equal to the target's own choice)
+    num_lookahead_steps: int = 0  # steps scheduled while the one before ran (lookahead.py)
 
 
 def engine_stats(
@@ -65,6 +66,7 @@ def engine_stats(
         num_write_violations=counters.num_write_violations,
         num_spec_draft_tokens=counters.num_spec_draft_tokens,
         num_spec_accepted_tokens=counters.num_spec_accepted_tokens,
+        num_lookahead_steps=counters.num_lookahead_steps,
         num_leaked_blocks=num_leaked_blocks,
         **fields,
     )

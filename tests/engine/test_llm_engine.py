@@ -168,10 +168,12 @@ def test_abort_and_fault_free_everything(tiny_model_dir, hf_model):
     assert aborted and aborted[0].finished
     assert aborted[0].outputs[0].finish_reason == FinishReason.ABORT
 
-    real_execute = engine.runner.execute
-    engine.runner.execute = lambda out: (_ for _ in ()).throw(RuntimeError("injected"))
+    real_launch = engine.runner.launch
+    engine.runner.launch = lambda out, previous=None: (_ for _ in ()).throw(
+        RuntimeError("injected")
+    )
     failed = engine.step()
-    engine.runner.execute = real_execute
+    engine.runner.launch = real_launch
     assert {o.request_id for o in failed} == {"r0", "r2", "r3"}
     assert all(o.finished and o.error and "injected" in o.error for o in failed)
     assert not engine.has_unfinished_requests()

@@ -224,20 +224,20 @@ def test_a_step_that_fails_before_its_loads_drops_them_and_their_audits(
     serve(engine, A, "a1")
     for index, other in enumerate((B, C, prompt(4), prompt(5))):
         serve(engine, other, f"x{index}")
-    execute = engine.runner.execute
+    launch = engine.runner.launch
 
-    def fails(sched_out):
+    def fails(sched_out, previous=None):
         assert sched_out.block_loads
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.runner, "execute", fails)
+    monkeypatch.setattr(engine.runner, "launch", fails)
     engine.add_request(EngineRequest("a2", A, GREEDY))
     outputs = []
     while not outputs:  # the first steps wait while its tier blocks are read
         outputs = engine.step()
     (output,) = outputs
     assert output.error is not None and "device lost" in output.error
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(engine.runner, "launch", launch)
     stats = engine.stats()
     assert stats.num_audits_dropped == 1 and stats.num_audit_corruptions == 0
     assert engine.kv_cache_manager.prefix_cache.match(_ns(engine), A).num_matched_tokens == 0

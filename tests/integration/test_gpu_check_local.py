@@ -100,6 +100,7 @@ def test_the_stages_check_what_they_say(local_check) -> None:
     assert engine["fp32_equals_hf"]["equal_prompts"] == 2
     assert engine["bf16_agrees_with_hf"]["agreement"] >= 0.99
     assert engine["graphs_equal_eager"].get("skipped")  # no CUDA here
+    assert engine["async_equals_sync"]["ok"] and engine["async_equals_sync"]["lookahead_steps"]
     assert engine["host_syncs_per_decode_step"].get("skipped")
     serve = stages["serve"]["details"]
     assert set(serve) == {"chat", "stream", "n=2", "logprobs", "json_schema", "leaked=0"}

@@ -198,3 +198,25 @@ def test_greedy_requests_are_the_same_with_and_without_the_greedy_head(prompts) 
     with_logprobs = dataclasses.replace(greedy, logprobs=1)
     scored = engine.generate([prompts[0]], with_logprobs)[0]
     assert calls == [] and scored.token_ids[0] == with_head[0]
+
+
+def test_async_scheduling_gives_the_same_text_on_the_native_step(prompts) -> None:
+    """Lookahead steps (engine/sched/lookahead.py) through the native decode step and the
+    greedy head: each row's input token patched in from the step before, the text the
+    synchronous steps'."""
+    engine = LLMEngine(
+        EngineConfig(dtype="float32", quantization="native", num_kv_blocks=256, max_num_seqs=8)
+    )
+    assert engine.runner.model.native_decode is not None and not engine.async_scheduling
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6 + 2 * i,
+                       ignore_eos=True)
+        for i in range(8)
+    ]  # fmt: skip
+    synchronous = [out.token_ids for out in engine.generate(prompts[:8], params)]
+    engine.async_scheduling = True
+    before = engine.stats().num_lookahead_steps
+    assert [out.token_ids for out in engine.generate(prompts[:8], params)] == synchronous
+    greedy = [params[i] for i in range(1, 8, 2)]  # all greedy: the greedy head's tokens
+    assert [out.token_ids for out in engine.generate(prompts[1:8:2], greedy)] == synchronous[1::2]
+    assert engine.stats().num_lookahead_steps - before >= 20

@@ -364,9 +364,11 @@ class EagerReplayer:
     def head_outputs(self, num_rows: int) -> None:
         return None  # the runner computes the logits from the hidden rows
 
-    def replay(self, sched_out: SchedulerOutput) -> torch.Tensor:
+    def replay(self, sched_out: SchedulerOutput, tokens: torch.Tensor | None) -> torch.Tensor:
         self.batch_sizes.append(len(sched_out.seqs))
         inputs = prepare_inputs(sched_out, CPU)
+        if tokens is not None:  # a lookahead step's input tokens, its rows first
+            inputs.input_ids[: tokens.shape[0]] = tokens
         runner = self.runner
         return runner.model(
             inputs.input_ids, inputs.positions, inputs.meta, runner.kv_caches, runner.attn_backend
@@ -469,6 +471,31 @@ def test_interpreted_replayed_decodes_match_the_torch_reference(tiny_llama_dir, 
     outputs = generate(runner, make_step)
     assert runner.graph_runner.num_replays == len(DECODE_ONLY_BATCHES)
     assert outputs == expected  # sampled from the graphs' own logits and argmax
+
+
+@interpreted
+def test_interpreted_lookahead_steps_read_the_graphs_tokens(tiny_llama_dir):
+    """Async scheduling over replayed graphs: a lookahead step's input tokens are the graph
+    before it's argmax or draws, read on the device before the next replay overwrites the
+    static outputs; the text is the synchronous steps'."""
+    from engine.llm_engine import LLMEngine
+    from tests.engine.test_async_scheduling import count_lookaheads
+
+    settings = {"model": str(tiny_llama_dir), "block_size": BLOCK_SIZE, "num_kv_blocks": 64}
+    settings.update(attention_backend="triton", max_num_seqs=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=7, ignore_eos=True)
+    batches = [[greedy] * 3, [greedy, sampled, greedy]]  # argmax in the graph; the sampler
+    texts, num_lookaheads = {}, {}
+    for mode in ("off", "on"):
+        engine = LLMEngine(EngineConfig(**settings, async_scheduling=mode))
+        engine.runner.graph_runner = emulate_capture(engine.runner)
+        lookaheads = count_lookaheads(engine)
+        texts[mode] = [[r.token_ids for r in engine.generate(PROMPTS[:3], p)] for p in batches]
+        num_lookaheads[mode] = len(lookaheads)
+        assert engine.runner.graph_runner.num_replays == 2 * 6  # every decode step
+    assert texts["on"] == texts["off"]
+    assert num_lookaheads == {"off": 0, "on": 2 * 5}  # each decode step but the first
 
 
 @interpreted

@@ -1,0 +1,123 @@
+"""Async scheduling: the next decode step scheduled while the last one runs (torch-free).
+
+On a GPU the host need not wait for a step's sampled tokens before it schedules the next one:
+when every sequence of the step in flight is a plain decode, the next step is the same
+sequences decoding once more, each reading, on the device, the token the step in flight
+samples for it (SchedulerOutput.previous_token_rows). Until that token is known, the sequence
+holds PLACEHOLDER_TOKEN as its last output token and counts its position as computed, so the
+block table and slot mapping cover it like any decode's.
+
+update_from_output() for the step in flight first rewinds those sequences to what schedule()
+would have left (placeholder dropped, position not computed), applies the tokens as in a
+synchronous step (stop checks, prefix cache, charges), then counts the position as computed
+again for the sequences still running. A sequence that stopped on the token loses its
+lookahead row: the row's KV write lands in a block it no longer holds, ahead of any later
+step's use of that block (one stream), and the row's token is dropped (its sequence is gone).
+
+The outputs allow a lookahead only where the synchronous schedule would run exactly these
+decodes and nothing the pending token changes is read on the host: no waiting request, no
+running sequence outside the step, no speculative drafts, one draw per row, no grammar, no
+penalty over the output tokens. A sequence that the pending token finishes for certain
+(max_tokens, the context window) is left out, and so is one short of a block.
+"""
+
+from __future__ import annotations
+
+from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.sched.request_table import RequestTable
+from engine.sched.step_builder import StepBuilder
+
+
+def is_plain_decode(scheduled: ScheduledSeq) -> bool:
+    """One token drawn from the row, with nothing read from the host's output tokens."""
+    spec = scheduled.sample
+    if spec is None or scheduled.draft_token_ids or len(spec.seeds) != 1:
+        return False
+    params = spec.sampling_params
+    return (
+        spec.grammar_keys is None
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+    )
+
+
+class Lookahead:
+    """The sequences of the lookahead step in flight (at most one step: every lookahead is
+    applied by the update_from_output() of the step before it, which rewinds them first)."""
+
+    def __init__(
+        self, table: RequestTable, kv_cache_manager: KVCacheManager, max_model_len: int
+    ) -> None:
+        self.table = table
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.seqs: list[Sequence] = []
+
+    def allows(self, previous: SchedulerOutput, may_draft: bool) -> bool:
+        """Whether the step after `previous` is its decodes once more, whatever it samples."""
+        if self.seqs or may_draft or self.table.waiting or not previous.seqs:
+            return False
+        if previous.num_decodes != len(previous.seqs):
+            return False
+        scheduled_ids = {scheduled.seq_id for scheduled in previous.seqs}
+        if any(seq.seq_id not in scheduled_ids for seq in self.table.running):
+            return False
+        if not all(is_plain_decode(scheduled) for scheduled in previous.seqs):
+            return False
+        return any(
+            seq is not None and self._goes_on(seq)
+            for seq in (self.table.seqs.get(scheduled.seq_id) for scheduled in previous.seqs)
+        )
+
+    def build(self, previous: SchedulerOutput, step: StepBuilder) -> list[int]:
+        """Add the decodes of `previous`'s sequences that go on, each on a placeholder; the
+        rows of `previous` their tokens come from."""
+        rows = []
+        for row, scheduled in enumerate(previous.seqs):
+            seq = self.table.seqs.get(scheduled.seq_id)
+            if seq is None or not self._goes_on(seq) or step.budget == 0:
+                continue
+            assert seq.num_computed_tokens == seq.num_tokens, f"seq {seq.seq_id} is not in flight"
+            seq.output_token_ids.append(PLACEHOLDER_TOKEN)
+            if not self.kv_cache_manager.allocate_slots(seq, 1):
+                seq.output_token_ids.pop()  # short of a block: it waits for the next schedule()
+                continue
+            num_violations = len(step.violations)
+            step.add_chunk(seq, 1)
+            if len(step.violations) > num_violations:  # its request fails with the step
+                seq.output_token_ids.pop()
+                continue
+            rows.append(row)
+            self.seqs.append(seq)
+        return rows
+
+    def _goes_on(self, seq: Sequence) -> bool:
+        """Running, and not finished for certain by the token in flight (max_tokens, the
+        context window: Sequence.check_stop)."""
+        return (
+            seq.status is SequenceStatus.RUNNING
+            and seq.num_output_tokens + 1 < seq.sampling_params.max_tokens
+            and seq.num_tokens + 1 < self.max_model_len
+        )
+
+    def rewind(self) -> list[Sequence]:
+        """Put the lookahead's live sequences back as schedule() left them (the placeholder
+        dropped, its position not computed) and forget the lookahead; returns them."""
+        seqs, self.seqs = self.seqs, []
+        live = [seq for seq in seqs if seq.status is SequenceStatus.RUNNING]
+        for seq in live:
+            assert seq.output_token_ids[-1] == PLACEHOLDER_TOKEN, f"seq {seq.seq_id}"
+            seq.output_token_ids.pop()
+            seq.num_computed_tokens -= 1
+        return live
+
+    @staticmethod
+    def advance(seqs: list[Sequence]) -> None:
+        """After the update: the lookahead's sequences still running count its position as
+        computed again (its step is in flight)."""
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += 1

@@ -1,0 +1,172 @@
+"""Async scheduling (engine/sched/lookahead.py) on the tiny random Llama: the same deltas as
+synchronous steps, HF's greedy tokens, and every block back, whatever stops, aborts or fails
+while a lookahead step is in flight. The CPU runs each step to the end before the next is
+queued, so what these tests check is the bookkeeping; the GPU check times the overlap."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.core.batch import PLACEHOLDER_TOKEN
+from engine.core.protocol import EngineRequest, FinishReason
+from engine.core.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.runtime.model_runner import LaunchedStep
+from tests.engine.engine_helpers import (
+    assert_all_blocks_free,
+    make_engine,
+    random_prompts,
+    run_checked,
+)
+from tests.oracle import hf_greedy
+
+# tiny_model_dir and hf_model: tests/engine/conftest.py
+
+
+def count_lookaheads(engine: LLMEngine) -> list[list[int]]:
+    """Record the previous_token_rows of every lookahead step the engine schedules."""
+    scheduled: list[list[int]] = []
+    schedule_lookahead = engine.scheduler.schedule_lookahead
+
+    def counted(previous):
+        out = schedule_lookahead(previous)
+        if out is not None:
+            scheduled.append(out.previous_token_rows)
+            assert all(s.token_ids == [PLACEHOLDER_TOKEN] for s in out.seqs)
+        return out
+
+    engine.scheduler.schedule_lookahead = counted
+    return scheduled
+
+
+def mixed_requests() -> dict[int, list[EngineRequest]]:
+    """Requests arriving over the first steps, with greedy and seeded draws, n=2, logprobs,
+    penalties (no lookahead while they run), lengths that cross block boundaries, and stop
+    tokens that end a sequence while its next decode is in flight."""
+    prompts = random_prompts(12, seed=11, min_len=3, max_len=40)
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=23, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=17, n=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=30, stop_token_ids=[40, 41, 42, 43]),
+        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+    ]
+    requests: dict[int, list[EngineRequest]] = {}
+    for i, prompt in enumerate(prompts):
+        params = kinds[i % len(kinds)]
+        arrival = [0, 0, 0, 3, 9, 25][i % 6] + i // 6
+        requests.setdefault(arrival, []).append(EngineRequest(f"r{i}", prompt, params))
+    return requests
+
+
+def test_lookahead_steps_give_the_synchronous_deltas(tiny_model_dir, hf_model):
+    synchronous = run_checked(make_engine(tiny_model_dir), mixed_requests())
+    engine = make_engine(tiny_model_dir, async_scheduling="on")
+    lookaheads = count_lookaheads(engine)
+    assert run_checked(engine, mixed_requests()) == synchronous
+    assert len(lookaheads) >= 20  # most decode steps of the run were scheduled ahead
+    for i in (0, 6):  # greedy, 40 tokens: HF's
+        prompt = random_prompts(12, seed=11, min_len=3, max_len=40)[i]
+        assert synchronous[f"r{i}"][0] == hf_greedy(hf_model, prompt, 40)
+
+
+def test_a_stop_on_the_token_in_flight_ends_the_text_there(tiny_model_dir, hf_model):
+    prompt = random_prompts(1, seed=4)[0]
+    expected = hf_greedy(hf_model, prompt, 24)
+    stop = expected[9]
+    first = expected.index(stop)
+    engine = make_engine(tiny_model_dir, async_scheduling="on")
+    lookaheads = count_lookaheads(engine)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop])
+    result = engine.generate([prompt], greedy)[0]
+    assert result.token_ids[0] == expected[: first + 1]
+    assert result.finish_reasons == [FinishReason.STOP]
+    assert len(lookaheads) == first  # the row queued after the stop token is dropped
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+
+
+def test_an_abort_while_a_lookahead_runs_frees_everything(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, async_scheduling="on")
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    prompts = random_prompts(2, seed=8)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineRequest(f"a{i}", prompt, params))
+    counts = {"a0": 0, "a1": 0}
+    for _ in range(6):
+        for output in engine.step():
+            counts[output.request_id] += sum(len(c.new_token_ids) for c in output.outputs)
+    assert engine._in_flight is not None  # a lookahead step is queued
+    (aborted,) = engine.abort_request("a0")
+    assert aborted.outputs[0].finish_reason is FinishReason.ABORT
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.request_id == "a1"  # nothing more of the aborted one
+            counts["a1"] += sum(len(c.new_token_ids) for c in output.outputs)
+    assert counts == {"a0": 6, "a1": 50}  # a prefill step, then five decodes
+    engine.scheduler.check_integrity()
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("where", ["launch", "result"])
+def test_a_fault_in_a_lookahead_fails_its_requests_only(tiny_model_dir, where):
+    """A lookahead step that fails to launch, or a step whose tokens fail to arrive while a
+    lookahead is queued behind it: its requests end with an error, a later one is served."""
+    engine = make_engine(tiny_model_dir, async_scheduling="on")
+    launch = engine.runner.launch
+    calls = {"n": 0}
+
+    def failing(sched_out, previous=None):
+        calls["n"] += 1
+        if where == "launch" and previous is not None and calls["n"] > 4:
+            raise RuntimeError("injected launch fault")
+        launched = launch(sched_out, previous)
+        if where == "result" and previous is not None and calls["n"] > 4:
+            return LaunchedStep(launched.token_ids, _raise)
+        return launched
+
+    engine.runner.launch = failing
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    results = engine.generate(random_prompts(3, seed=9), params)
+    assert all(r.error and "injected" in r.error for r in results)
+    assert_all_blocks_free(engine)
+    engine.runner.launch = launch
+    (later,) = engine.generate(random_prompts(1, seed=10), params)
+    assert later.error is None and len(later.token_ids[0]) == 20
+    assert_all_blocks_free(engine)
+
+
+def _raise():
+    raise RuntimeError("injected result fault")
+
+
+def test_a_seeded_request_reads_the_same_alone_and_in_a_crowd(tiny_model_dir):
+    seeded = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=30, ignore_eos=True)
+    prompt = random_prompts(1, seed=12)[0]
+    engine = make_engine(tiny_model_dir, async_scheduling="on")
+    alone = engine.generate([prompt], seeded)[0].token_ids
+    crowd = random_prompts(7, seed=13)
+    others = [SamplingParams(temperature=0.9, seed=i, max_tokens=10 + 3 * i) for i in range(7)]
+    together = engine.generate([*crowd[:3], prompt, *crowd[3:]], [*others[:3], seeded, *others[3:]])
+    assert together[3].token_ids == alone
+    assert_all_blocks_free(engine)
+
+
+def test_a_pool_short_of_blocks_falls_back_to_scheduling(tiny_model_dir):
+    """Eight sequences growing past a 24-block pool: lookahead steps stop where a block is
+    short, preemption and recompute happen in synchronous steps, the text is unchanged."""
+    prompts = random_prompts(8, seed=14, min_len=20, max_len=40)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    requests = {0: [EngineRequest(f"p{i}", p, greedy) for i, p in enumerate(prompts)]}
+    synchronous = run_checked(make_engine(tiny_model_dir, num_kv_blocks=24), requests)
+    engine = make_engine(tiny_model_dir, num_kv_blocks=24, async_scheduling="on")
+    lookaheads = count_lookaheads(engine)
+    assert run_checked(engine, requests) == synchronous
+    assert engine.scheduler.counters.num_preemptions > 0
+    assert lookaheads
+
+
+def test_auto_is_off_on_the_cpu(tiny_model_dir):
+    assert make_engine(tiny_model_dir).async_scheduling is False
+    assert make_engine(tiny_model_dir, async_scheduling="on").async_scheduling is True
