@@ -163,6 +163,11 @@ def traffic_panels() -> list[dict]:
         panel("Preemptions per second",
               [(sum_rate("kvshare_preemptions_total"), "preemptions/s")], "ops"),
         panel("Batch size (sequences per step)", latency_targets("kvshare_batch_size")),
+        panel("Steps scheduled ahead per second",
+              [(sum_rate("kvshare_lookahead_steps_total"), "lookahead steps/s")], "ops",
+              "Async scheduling (on with CUDA): decode steps scheduled and queued before the "
+              "step in front of them returned its tokens; near the step rate in steady "
+              "decoding, 0 on the CPU."),
     ]  # fmt: skip
 
 

@@ -47,6 +47,7 @@ REQUIRED_METRICS = {
     "kvshare_requests": "gauge",
     "kvshare_requests_total": "counter",
     "kvshare_preemptions_total": "counter",
+    "kvshare_lookahead_steps_total": "counter",
     "kvshare_prompt_tokens_total": "counter",
     "kvshare_prefill_tokens_total": "counter",
     "kvshare_generation_tokens_total": "counter",
