@@ -270,7 +270,15 @@ class LLMEngine:
             return []
         if current.launched.token_ids is None:
             return []
-        sched_out = self.scheduler.schedule_lookahead(current.sched_out)
+        try:
+            sched_out = self.scheduler.schedule_lookahead(current.sched_out)
+        except Exception as exc:  # a bug: copies it recorded may not be made, fail their seqs
+            logger.exception("scheduling a lookahead step failed")
+            self.scheduler.drop_lookahead()
+            self.kv_cache_manager.take_block_copies()
+            self.kv_cache_manager.drop_pending_transfers()
+            message = f"engine fault while scheduling: {type(exc).__name__}: {exc}"
+            return self.scheduler.fail_seqs([s.seq_id for s in current.sched_out.seqs], message)
         if sched_out is None:
             return []
         try:

@@ -170,6 +170,12 @@ class KVCacheManager(PrefixSharing):
         self._record_fill(seq, seq.num_computed_tokens + num_new_tokens)
         return True
 
+    def num_blocks_to_allocate(self, seq: Sequence, num_new_tokens: int) -> int:
+        """The blocks allocate_slots(seq, num_new_tokens) would take now (copy-on-write
+        copies and new blocks)."""
+        cow_indices, num_new_blocks = self._blocks_needed(seq, num_new_tokens)
+        return len(cow_indices) + num_new_blocks
+
     def slot_mapping(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """KV slots for positions num_computed_tokens .. + num_new_tokens - 1 of seq.
 

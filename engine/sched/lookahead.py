@@ -18,7 +18,9 @@ The outputs allow a lookahead only where the synchronous schedule would run exac
 decodes and nothing the pending token changes is read on the host: no waiting request, no
 running sequence outside the step, no speculative drafts, one draw per row, no grammar, no
 penalty over the output tokens. A sequence that the pending token finishes for certain
-(max_tokens, the context window) is left out, and so is one short of a block.
+(max_tokens, the context window) is left out. The blocks the step takes must be free ones:
+where the pool would have to evict cached blocks (second-tier spills, a host wait on a GPU) or
+preempt, the synchronous schedule() decides, as it would have without async scheduling.
 """
 
 from __future__ import annotations
@@ -67,10 +69,13 @@ class Lookahead:
             return False
         if not all(is_plain_decode(scheduled) for scheduled in previous.seqs):
             return False
-        return any(
-            seq is not None and self._goes_on(seq)
-            for seq in (self.table.seqs.get(scheduled.seq_id) for scheduled in previous.seqs)
-        )
+        going_on = [seq for seq in self._live(previous) if self._goes_on(seq)]
+        num_blocks = sum(self.kv_cache_manager.num_blocks_to_allocate(s, 1) for s in going_on)
+        return bool(going_on) and num_blocks <= self.kv_cache_manager.num_free_blocks
+
+    def _live(self, previous: SchedulerOutput) -> list[Sequence]:
+        seqs = (self.table.seqs.get(scheduled.seq_id) for scheduled in previous.seqs)
+        return [seq for seq in seqs if seq is not None]
 
     def build(self, previous: SchedulerOutput, step: StepBuilder) -> list[int]:
         """Add the decodes of `previous`'s sequences that go on, each on a placeholder; the
@@ -82,17 +87,26 @@ class Lookahead:
                 continue
             assert seq.num_computed_tokens == seq.num_tokens, f"seq {seq.seq_id} is not in flight"
             seq.output_token_ids.append(PLACEHOLDER_TOKEN)
-            if not self.kv_cache_manager.allocate_slots(seq, 1):
-                seq.output_token_ids.pop()  # short of a block: it waits for the next schedule()
-                continue
-            num_violations = len(step.violations)
-            step.add_chunk(seq, 1)
-            if len(step.violations) > num_violations:  # its request fails with the step
-                seq.output_token_ids.pop()
-                continue
-            rows.append(row)
-            self.seqs.append(seq)
+            added = False
+            try:
+                added = self._add(seq, step)
+            finally:
+                if not added:  # also where it raised: no placeholder stays behind
+                    seq.output_token_ids.pop()
+            if added:
+                rows.append(row)
         return rows
+
+    def _add(self, seq: Sequence, step: StepBuilder) -> bool:
+        """seq's decode on its placeholder, where its slot is allocated and writable."""
+        if not self.kv_cache_manager.allocate_slots(seq, 1):
+            return False  # allows() counted free blocks: not expected, but it can wait
+        num_violations = len(step.violations)
+        step.add_chunk(seq, 1)
+        if len(step.violations) > num_violations:  # its request fails with the step
+            return False
+        self.seqs.append(seq)
+        return True
 
     def _goes_on(self, seq: Sequence) -> bool:
         """Running, and not finished for certain by the token in flight (max_tokens, the

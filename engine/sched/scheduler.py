@@ -290,9 +290,11 @@ class Scheduler(StepAdmission):
         not allow it; then update_from_output(previous) comes first, then schedule()."""
         if not self.lookahead.allows(previous, may_draft=self.spec.proposer is not None):
             return None
-        self._num_steps += 1
         step = StepBuilder(self.kv_cache_manager, self.max_num_batched_tokens)
         rows = self.lookahead.build(previous, step)
+        if not rows and not step.violations:
+            return None  # nothing changed: update_from_output(previous), then schedule()
+        self._num_steps += 1
         step.output.num_decodes = len(step.output.seqs)
         step.output.previous_token_rows = rows
         self.counters.num_lookahead_steps += 1

@@ -24,7 +24,8 @@ from tests.oracle import hf_greedy
 
 
 def count_lookaheads(engine: LLMEngine) -> list[list[int]]:
-    """Record the previous_token_rows of every lookahead step the engine schedules."""
+    """Record the previous_token_rows of every lookahead step the engine schedules; each has
+    rows, on placeholders, none of them penalised (a penalty reads the output tokens)."""
     scheduled: list[list[int]] = []
     schedule_lookahead = engine.scheduler.schedule_lookahead
 
@@ -32,7 +33,10 @@ def count_lookaheads(engine: LLMEngine) -> list[list[int]]:
         out = schedule_lookahead(previous)
         if out is not None:
             scheduled.append(out.previous_token_rows)
-            assert all(s.token_ids == [PLACEHOLDER_TOKEN] for s in out.seqs)
+            assert out.seqs and all(s.token_ids == [PLACEHOLDER_TOKEN] for s in out.seqs)
+            for seq in out.seqs:
+                params = seq.sample.sampling_params
+                assert params.presence_penalty == params.frequency_penalty == 0.0
         return out
 
     engine.scheduler.schedule_lookahead = counted
@@ -41,9 +45,10 @@ def count_lookaheads(engine: LLMEngine) -> list[list[int]]:
 
 def mixed_requests() -> dict[int, list[EngineRequest]]:
     """Requests arriving over the first steps, with greedy and seeded draws, n=2, logprobs,
-    penalties (no lookahead while they run), lengths that cross block boundaries, and stop
-    tokens that end a sequence while its next decode is in flight."""
-    prompts = random_prompts(12, seed=11, min_len=3, max_len=40)
+    presence and frequency penalties (no lookahead while they run: the text would change),
+    lengths that cross block boundaries, and stop tokens that end a sequence while its next
+    decode is in flight."""
+    prompts = random_prompts(16, seed=11, min_len=3, max_len=40)
     kinds = [
         SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
         SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=23, ignore_eos=True),
@@ -51,11 +56,14 @@ def mixed_requests() -> dict[int, list[EngineRequest]]:
         SamplingParams(temperature=0.0, max_tokens=30, logprobs=2, ignore_eos=True),
         SamplingParams(temperature=0.7, seed=5, max_tokens=30, stop_token_ids=[40, 41, 42, 43]),
         SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-    ]
+        SamplingParams(temperature=0.8, seed=9, max_tokens=21, frequency_penalty=2.0,
+                       ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=26, presence_penalty=2.0, ignore_eos=True),
+    ]  # fmt: skip
     requests: dict[int, list[EngineRequest]] = {}
     for i, prompt in enumerate(prompts):
         params = kinds[i % len(kinds)]
-        arrival = [0, 0, 0, 3, 9, 25][i % 6] + i // 6
+        arrival = [0, 0, 0, 3, 9, 25, 40, 41][i % 8] + i // 8
         requests.setdefault(arrival, []).append(EngineRequest(f"r{i}", prompt, params))
     return requests
 
@@ -66,8 +74,8 @@ def test_lookahead_steps_give_the_synchronous_deltas(tiny_model_dir, hf_model):
     lookaheads = count_lookaheads(engine)
     assert run_checked(engine, mixed_requests()) == synchronous
     assert len(lookaheads) >= 20  # most decode steps of the run were scheduled ahead
-    for i in (0, 6):  # greedy, 40 tokens: HF's
-        prompt = random_prompts(12, seed=11, min_len=3, max_len=40)[i]
+    for i in (0, 8):  # greedy, 40 tokens: HF's
+        prompt = random_prompts(16, seed=11, min_len=3, max_len=40)[i]
         assert synchronous[f"r{i}"][0] == hf_greedy(hf_model, prompt, 40)
 
 
@@ -84,6 +92,54 @@ def test_a_stop_on_the_token_in_flight_ends_the_text_there(tiny_model_dir, hf_mo
     assert result.finish_reasons == [FinishReason.STOP]
     assert len(lookaheads) == first  # the row queued after the stop token is dropped
     assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(engine)
+
+
+def test_a_follow_up_reuses_the_cache_of_a_text_stopped_in_flight(tiny_model_dir, hf_model):
+    """Turn two's prompt is turn one's prompt and answer, which stopped on a token while its
+    next row was queued: turn one's cached blocks serve turn two, the audit (every hit) finds
+    them clean, and both texts are the synchronous steps'."""
+    prompt = random_prompts(1, seed=17, min_len=30, max_len=30)[0]
+    stop = hf_greedy(hf_model, prompt, 40)[13]
+    turn_one = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop])
+    turn_two = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for mode in ("off", "on"):
+        engine = make_engine(
+            tiny_model_dir, async_scheduling=mode, audit_sample_rate=1.0, block_size=8
+        )
+        first = engine.generate([prompt], turn_one)[0]
+        follow_up = prompt + first.token_ids[0] + [5, 6, 7]
+        second = engine.generate([follow_up], turn_two)[0]
+        stats = engine.stats()
+        assert stats.num_audits == 1 and stats.num_audit_corruptions == 0
+        assert stats.num_audit_drifts == 0
+        assert_all_blocks_free(engine)
+        runs[mode] = (first.token_ids, first.finish_reasons, second.token_ids)
+        runs[mode, "cached"] = second.num_cached_tokens
+        runs[mode, "lookaheads"] = stats.num_lookahead_steps
+    assert runs["on"] == runs["off"]
+    assert runs["on"][1] == [FinishReason.STOP] and len(runs["on"][0][0]) >= 3
+    assert runs["on", "cached"] == runs["off", "cached"] >= len(prompt)
+    assert runs["off", "lookaheads"] == 0 < runs["on", "lookaheads"]
+
+
+def test_a_request_that_arrives_while_a_lookahead_runs_is_admitted_next(tiny_model_dir):
+    """No lookahead is queued behind the step in flight once a request waits: the next call
+    applies that step, the one after admits the request."""
+    engine = make_engine(tiny_model_dir, async_scheduling="on")
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine.add_request(EngineRequest("first", random_prompts(1, seed=15)[0], params))
+    for _ in range(4):
+        engine.step()
+    assert engine._in_flight is not None
+    engine.add_request(EngineRequest("later", random_prompts(1, seed=16)[0], params))
+    applied = engine.step()
+    assert [o.request_id for o in applied] == ["first"] and engine._in_flight is None
+    admitted = engine.step()
+    assert {o.request_id for o in admitted} == {"first", "later"}
+    while engine.has_unfinished_requests():
+        engine.step()
     assert_all_blocks_free(engine)
 
 

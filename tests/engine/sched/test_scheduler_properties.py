@@ -130,6 +130,7 @@ class LookaheadDriver:
             (out, result), self.in_flight = self.in_flight, None
         ahead = scheduler.schedule_lookahead(out)
         if ahead is not None:
+            assert ahead.seqs and len(ahead.seqs) == len(ahead.previous_token_rows)
             self.num_lookaheads += 1
             tokens = [result.sampled[s.seq_id][0].token_id for s in out.seqs]
             self.in_flight = (ahead, runner.execute(ahead, tokens))
