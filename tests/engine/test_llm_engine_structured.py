@@ -110,7 +110,6 @@ def reference(model_dir) -> list[GenerationResult]:
     return results
 
 
-
 def test_async_scheduling_leaves_constrained_steps_synchronous(model_dir, reference):
     """A grammar masks a draw by the tokens before it, so no lookahead step runs while a
     constrained request does (engine/sched/lookahead.py): the same text as synchronous steps,
@@ -121,6 +120,7 @@ def test_async_scheduling_leaves_constrained_steps_synchronous(model_dir, refere
     assert [r.token_ids for r in results] == [r.token_ids for r in reference]
     assert_conforms(model_dir, results, params)
     assert engine.stats().num_lookahead_steps == 0
+
 
 def test_every_choice_conforms_and_stops(model_dir, reference):
     _, params = workload()

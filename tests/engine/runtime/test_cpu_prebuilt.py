@@ -52,12 +52,17 @@ def library_name(library) -> str:
     return Path(library._name).name
 
 
-def test_build_writes_one_library_per_level_and_drops_older_ones(prebuilt_dir: Path) -> None:
+def test_build_writes_one_library_per_level_and_drops_older_ones(
+    prebuilt_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     names = sorted(path.name for path in prebuilt_dir.iterdir())
     assert names == sorted(native.prebuilt_name(level) for level in native.PREBUILT_LEVELS)
     stale = prebuilt_dir / "prebuilt-avx2-0123456789abcdef.so"  # an older source's
     stale.write_bytes(b"an older revision")
+    built = []  # the rebuild itself is the fixture's, already checked: not compiled again
+    monkeypatch.setattr(native, "_compile", lambda compiler, level, target: built.append(level))
     native.build_prebuilt(prebuilt_dir, ("avx2",))
+    assert built == ["avx2"]
     assert not stale.exists()
     assert sorted(path.name for path in prebuilt_dir.iterdir()) == names
 
