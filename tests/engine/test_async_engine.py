@@ -41,10 +41,12 @@ def _histogram_count(text: str, name: str) -> float:
     return float(match.group(1))
 
 
-async def test_every_step_reaches_each_listener_once(make_tiny_model) -> None:
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+async def test_every_step_reaches_each_listener_once(make_tiny_model, async_scheduling) -> None:
     config = EngineConfig(
-        model=str(make_tiny_model()), dtype="float32", num_kv_blocks=64, max_num_seqs=8
-    )
+        model=str(make_tiny_model()), dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
     received: list[EngineStats] = []
     metrics = ServerMetrics()
     engine = await started_async_engine(config)
@@ -72,6 +74,33 @@ async def test_every_step_reaches_each_listener_once(make_tiny_model) -> None:
     assert _histogram_count(text, "kvshare_batch_size") == len(steps)
     batch_sum = re.search(r"^kvshare_batch_size_sum (\S+)$", text, re.MULTILINE)
     assert batch_sum and float(batch_sum.group(1)) == sum(s.step.num_seqs for s in steps)
+    assert (last.num_lookahead_steps > 0) == (async_scheduling == "on")
+
+
+async def test_an_abort_reaches_a_stream_whose_next_step_is_in_flight(make_tiny_model) -> None:
+    """Async scheduling: the engine thread applies an abort between two steps while a
+    lookahead step is queued; the stream ends there and nothing stays held."""
+    config = EngineConfig(
+        model=str(make_tiny_model()), dtype="float32", num_kv_blocks=64, max_num_seqs=8,
+        async_scheduling="on",
+    )  # fmt: skip
+    engine = await started_async_engine(config)
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    request = EngineRequest("long", [5, 9, 17, 33, 4], params)
+    admitted = await asyncio.to_thread(engine.admit, request)
+    received, reasons = 0, []
+    async for output in engine.generate(admitted):
+        received += sum(len(choice.new_token_ids) for choice in output.outputs)
+        reasons += [c.finish_reason for c in output.outputs if c.finish_reason is not None]
+        if received == 5:
+            await engine.abort("long")
+    await asyncio.sleep(0.6)  # the idle engine publishes again
+    await engine.shutdown()
+    last = engine.stats()
+    assert 5 <= received < 200 and [r.value for r in reasons] == ["abort"]
+    assert last.num_lookahead_steps > 0
+    assert (last.num_running, last.num_leaked_blocks) == (0, 0)
+    assert last.num_free_blocks + last.num_cached_blocks == last.num_total_blocks
 
 
 @pytest.mark.parametrize(
