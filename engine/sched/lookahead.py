@@ -15,10 +15,13 @@ lookahead row: the row's KV write lands in a block it no longer holds, ahead of 
 step's use of that block (one stream), and the row's token is dropped (its sequence is gone).
 
 The outputs allow a lookahead only where the synchronous schedule would run exactly these
-decodes and nothing the pending token changes is read on the host: no waiting request, no
-running sequence outside the step, no speculative drafts, one draw per row, no grammar, no
-penalty over the output tokens. A sequence that the pending token finishes for certain
-(max_tokens, the context window) is left out. The blocks the step takes must be free ones:
+decodes and nothing the pending token changes is read on the host: no waiting request that
+has a seat, counting the seats the step in flight frees for certain (with every seat taken a
+backlog waits either way; a seat an EOS frees is filled by the schedule() after the
+lookahead, one step later), no running sequence outside the step, no speculative drafts, one
+draw per row, no grammar, no penalty over the output tokens. A sequence that the pending
+token finishes for certain (max_tokens, the context window) is left out. The blocks the step
+takes must be free ones:
 where the pool would have to evict cached blocks (second-tier spills, a host wait on a GPU) or
 preempt, the synchronous schedule() decides, as it would have without async scheduling.
 """
@@ -51,16 +54,21 @@ class Lookahead:
     applied by the update_from_output() of the step before it, which rewinds them first)."""
 
     def __init__(
-        self, table: RequestTable, kv_cache_manager: KVCacheManager, max_model_len: int
+        self,
+        table: RequestTable,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+        max_num_seqs: int,
     ) -> None:
         self.table = table
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.seqs: list[Sequence] = []
 
     def allows(self, previous: SchedulerOutput, may_draft: bool) -> bool:
         """Whether the step after `previous` is its decodes once more, whatever it samples."""
-        if self.seqs or may_draft or self.table.waiting or not previous.seqs:
+        if self.seqs or may_draft or not previous.seqs:
             return False
         if previous.num_decodes != len(previous.seqs):
             return False
@@ -69,9 +77,29 @@ class Lookahead:
             return False
         if not all(is_plain_decode(scheduled) for scheduled in previous.seqs):
             return False
-        going_on = [seq for seq in self._live(previous) if self._goes_on(seq)]
+        live = self._live(previous)
+        going_on = [seq for seq in live if self._goes_on(seq)]
+        if not going_on or self._may_admit(num_freed_seats=len(live) - len(going_on)):
+            return False
         num_blocks = sum(self.kv_cache_manager.num_blocks_to_allocate(s, 1) for s in going_on)
-        return bool(going_on) and num_blocks <= self.kv_cache_manager.num_free_blocks
+        return num_blocks <= self.kv_cache_manager.num_free_blocks
+
+    def _may_admit(self, num_freed_seats: int) -> bool:
+        """Whether the schedule() after the step in flight could take a waiting sequence:
+        one with a seat, counting those of the sequences the step finishes for certain (to
+        admit it), or one the pool can never hold (to refuse it; _can_never_fit)."""
+        waiting = self.table.waiting
+        if not waiting:
+            return False
+        free_seats = self.max_num_seqs - self.table.num_seats + num_freed_seats
+        if free_seats > 0 and any(seq.num_choices <= free_seats for seq in waiting):
+            return True
+        num_total_blocks = self.kv_cache_manager.num_total_blocks
+        return any(
+            self.kv_cache_manager.num_blocks_for(seq.num_tokens) > num_total_blocks
+            or seq.num_choices > self.max_num_seqs
+            for seq in waiting
+        )
 
     def _live(self, previous: SchedulerOutput) -> list[Sequence]:
         seqs = (self.table.seqs.get(scheduled.seq_id) for scheduled in previous.seqs)

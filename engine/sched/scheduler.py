@@ -108,7 +108,7 @@ class Scheduler(StepAdmission):
             proposer, kv_cache_manager, max_model_len, max_decodes=speculative_max_decodes
         )
         self._was_solo = False  # the last step was one tenant's alone (fair share)
-        self.lookahead = Lookahead(self.table, kv_cache_manager, max_model_len)
+        self.lookahead = Lookahead(self.table, kv_cache_manager, max_model_len, max_num_seqs)
         self.output_processor = OutputProcessor(
             self.table,
             kv_cache_manager,

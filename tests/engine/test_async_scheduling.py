@@ -143,6 +143,46 @@ def test_a_request_that_arrives_while_a_lookahead_runs_is_admitted_next(tiny_mod
     assert_all_blocks_free(engine)
 
 
+def test_a_backlog_waiting_for_seats_decodes_on_lookaheads(tiny_model_dir):
+    """Every seat taken and requests waiting: the synchronous schedule would admit none, so
+    lookahead steps run. A seat that a max_tokens finish frees is known ahead, so no lookahead
+    runs past it: each request starts at the same step as without them, with the same text."""
+    prompts = random_prompts(6, seed=18)
+    params = [
+        SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=8 + 5 * i,
+                       ignore_eos=True)
+        for i in range(6)
+    ]  # fmt: skip
+    runs, first_token_calls = {}, {}
+    for mode in ("off", "on"):
+        engine = make_engine(tiny_model_dir, async_scheduling=mode, max_num_seqs=2)
+        waiting_at_lookahead = []
+        schedule_lookahead = engine.scheduler.schedule_lookahead
+
+        def counted(previous, engine=engine, seen=waiting_at_lookahead, f=schedule_lookahead):
+            out = f(previous)
+            if out is not None:
+                seen.append(engine.scheduler.num_waiting)
+            return out
+
+        engine.scheduler.schedule_lookahead = counted
+        for i, (prompt, param) in enumerate(zip(prompts, params, strict=True)):
+            engine.add_request(EngineRequest(f"q{i}", prompt, param))
+        tokens, firsts, calls = {}, {}, 0
+        while engine.has_unfinished_requests():
+            calls += 1
+            for output in engine.step():
+                tokens.setdefault(output.request_id, []).extend(output.outputs[0].new_token_ids)
+                firsts.setdefault(output.request_id, calls)
+        runs[mode] = tokens
+        first_token_calls[mode] = firsts
+        if mode == "on":
+            assert sum(1 for waiting in waiting_at_lookahead if waiting > 0) >= 10
+        assert_all_blocks_free(engine)
+    assert runs["on"] == runs["off"]
+    assert first_token_calls["on"] == first_token_calls["off"]
+
+
 def test_an_abort_while_a_lookahead_runs_frees_everything(tiny_model_dir):
     engine = make_engine(tiny_model_dir, async_scheduling="on")
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
