@@ -18,15 +18,18 @@ The outputs allow a lookahead only where the synchronous schedule would run exac
 decodes and nothing the pending token changes is read on the host: no waiting request that
 has a seat, counting the seats the step in flight frees for certain (with every seat taken a
 backlog waits either way; a seat an EOS frees is filled by the schedule() after the
-lookahead, one step later), no running sequence outside the step, no speculative drafts, one
-draw per row, no grammar, no penalty over the output tokens. A sequence that the pending
-token finishes for certain (max_tokens, the context window) is left out. The blocks the step
-takes must be free ones:
-where the pool would have to evict cached blocks (second-tier spills, a host wait on a GPU) or
-preempt, the synchronous schedule() decides, as it would have without async scheduling.
+lookahead, one step later), no running sequence outside the step, no speculative drafts (a
+step of that many decodes may not draft: speculative_max_decodes; one that an EOS leaves
+smaller and might draft decodes without one, the same text), one draw per row, no grammar,
+no penalty over the output tokens. A sequence that the pending token finishes for certain
+(max_tokens, the context window) is left out. The blocks the step takes must be free ones:
+where the pool would have to evict cached blocks (second-tier spills, a host wait on a GPU)
+or preempt, the synchronous schedule() decides, as it would have without async scheduling.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from engine.core.batch import PLACEHOLDER_TOKEN, ScheduledSeq, SchedulerOutput
 from engine.core.sequence import Sequence, SequenceStatus
@@ -66,9 +69,10 @@ class Lookahead:
         self.max_num_seqs = max_num_seqs
         self.seqs: list[Sequence] = []
 
-    def allows(self, previous: SchedulerOutput, may_draft: bool) -> bool:
-        """Whether the step after `previous` is its decodes once more, whatever it samples."""
-        if self.seqs or may_draft or not previous.seqs:
+    def allows(self, previous: SchedulerOutput, drafts_among: Callable[[int], bool]) -> bool:
+        """Whether the step after `previous` is its decodes once more, whatever it samples;
+        drafts_among(n): whether a step of n decodes may carry speculative drafts."""
+        if self.seqs or not previous.seqs:
             return False
         if previous.num_decodes != len(previous.seqs):
             return False
@@ -79,7 +83,9 @@ class Lookahead:
             return False
         live = self._live(previous)
         going_on = [seq for seq in live if self._goes_on(seq)]
-        if not going_on or self._may_admit(num_freed_seats=len(live) - len(going_on)):
+        if not going_on or drafts_among(len(going_on)):
+            return False
+        if self._may_admit(num_freed_seats=len(live) - len(going_on)):
             return False
         num_blocks = sum(self.kv_cache_manager.num_blocks_to_allocate(s, 1) for s in going_on)
         return num_blocks <= self.kv_cache_manager.num_free_blocks

@@ -288,7 +288,7 @@ class Scheduler(StepAdmission):
         scheduling, engine/sched/lookahead.py): `previous`'s decodes once more, each on the
         token `previous` samples for it (previous_token_rows). None where the outputs do
         not allow it; then update_from_output(previous) comes first, then schedule()."""
-        if not self.lookahead.allows(previous, may_draft=self.spec.proposer is not None):
+        if not self.lookahead.allows(previous, self.spec.drafts_among):
             return None
         step = StepBuilder(self.kv_cache_manager, self.max_num_batched_tokens)
         rows = self.lookahead.build(previous, step)

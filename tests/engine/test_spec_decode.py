@@ -90,3 +90,19 @@ def test_stops_inside_a_kept_draft_end_there(tiny_model_dir, hf_model):
         limited = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
         got = run_checked(engine, {0: [EngineRequest("r", prompt, limited)]})["r"][0]
         assert got == expected[: min(first_stop + 1, max_tokens)]
+
+
+def test_async_scheduling_looks_ahead_only_where_no_step_would_draft(tiny_model_dir, hf_model):
+    """speculative_max_decodes 1: a batch of five decodes without drafts, on lookahead steps,
+    until one sequence is left, which drafts and is never looked ahead; HF's tokens."""
+    engine = spec_engine(tiny_model_dir, speculative_max_decodes=1, async_scheduling="on")
+    prompts = repetitive_prompts(5, seed=22)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8 + 6 * i, ignore_eos=True) for i in range(5)
+    ]
+    requests = {0: [EngineRequest(f"r{i}", p, params[i]) for i, p in enumerate(prompts)]}
+    tokens = run_checked(engine, requests)
+    stats = engine.stats()
+    assert stats.num_lookahead_steps > 0 and stats.num_spec_draft_tokens > 0
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"][0] == hf_greedy(hf_model, prompt, 8 + 6 * i), f"prompt {i}"
