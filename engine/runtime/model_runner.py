@@ -213,7 +213,7 @@ class ModelRunner:
         if previous is None or previous.token_ids is None:
             raise ValueError("a lookahead step needs the step before it, with one token per row")
         (index,) = split_to_device([rows], self.device)
-        return previous.token_ids.index_select(0, index.to(previous.token_ids.device))
+        return previous.token_ids.index_select(0, index)
 
     def _sample(
         self,

@@ -69,26 +69,32 @@ class Lookahead:
         self.max_num_seqs = max_num_seqs
         self.seqs: list[Sequence] = []
 
-    def allows(self, previous: SchedulerOutput, drafts_among: Callable[[int], bool]) -> bool:
-        """Whether the step after `previous` is its decodes once more, whatever it samples;
+    def candidates(
+        self, previous: SchedulerOutput, drafts_among: Callable[[int], bool]
+    ) -> list[tuple[int, Sequence]]:
+        """(row of `previous`, sequence) of each decode the step after `previous` repeats,
+        where that step is those decodes whatever `previous` samples; [] where it is not.
         drafts_among(n): whether a step of n decodes may carry speculative drafts."""
-        if self.seqs or not previous.seqs:
-            return False
-        if previous.num_decodes != len(previous.seqs):
-            return False
+        if self.seqs or not previous.seqs or previous.num_decodes != len(previous.seqs):
+            return []
         scheduled_ids = {scheduled.seq_id for scheduled in previous.seqs}
         if any(seq.seq_id not in scheduled_ids for seq in self.table.running):
-            return False
+            return []
         if not all(is_plain_decode(scheduled) for scheduled in previous.seqs):
-            return False
-        live = self._live(previous)
-        going_on = [seq for seq in live if self._goes_on(seq)]
+            return []
+        live = [
+            (row, seq)
+            for row, seq in enumerate(self.table.seqs.get(s.seq_id) for s in previous.seqs)
+            if seq is not None
+        ]
+        going_on = [(row, seq) for row, seq in live if self._goes_on(seq)]
         if not going_on or drafts_among(len(going_on)):
-            return False
+            return []
         if self._may_admit(num_freed_seats=len(live) - len(going_on)):
-            return False
-        num_blocks = sum(self.kv_cache_manager.num_blocks_to_allocate(s, 1) for s in going_on)
-        return num_blocks <= self.kv_cache_manager.num_free_blocks
+            return []
+        manager = self.kv_cache_manager
+        num_blocks = sum(manager.num_blocks_to_allocate(seq, 1) for _, seq in going_on)
+        return going_on if num_blocks <= manager.num_free_blocks else []
 
     def _may_admit(self, num_freed_seats: int) -> bool:
         """Whether the schedule() after the step in flight could take a waiting sequence:
@@ -107,18 +113,13 @@ class Lookahead:
             for seq in waiting
         )
 
-    def _live(self, previous: SchedulerOutput) -> list[Sequence]:
-        seqs = (self.table.seqs.get(scheduled.seq_id) for scheduled in previous.seqs)
-        return [seq for seq in seqs if seq is not None]
-
-    def build(self, previous: SchedulerOutput, step: StepBuilder) -> list[int]:
-        """Add the decodes of `previous`'s sequences that go on, each on a placeholder; the
-        rows of `previous` their tokens come from."""
+    def build(self, candidates: list[tuple[int, Sequence]], step: StepBuilder) -> list[int]:
+        """Add the candidates' decodes, each on a placeholder; the rows of the step in flight
+        their tokens come from."""
         rows = []
-        for row, scheduled in enumerate(previous.seqs):
-            seq = self.table.seqs.get(scheduled.seq_id)
-            if seq is None or not self._goes_on(seq) or step.budget == 0:
-                continue
+        for row, seq in candidates:
+            if step.budget == 0:
+                break
             assert seq.num_computed_tokens == seq.num_tokens, f"seq {seq.seq_id} is not in flight"
             seq.output_token_ids.append(PLACEHOLDER_TOKEN)
             added = False

@@ -288,10 +288,11 @@ class Scheduler(StepAdmission):
         scheduling, engine/sched/lookahead.py): `previous`'s decodes once more, each on the
         token `previous` samples for it (previous_token_rows). None where the outputs do
         not allow it; then update_from_output(previous) comes first, then schedule()."""
-        if not self.lookahead.allows(previous, self.spec.drafts_among):
+        candidates = self.lookahead.candidates(previous, self.spec.drafts_among)
+        if not candidates:
             return None
         step = StepBuilder(self.kv_cache_manager, self.max_num_batched_tokens)
-        rows = self.lookahead.build(previous, step)
+        rows = self.lookahead.build(candidates, step)
         if not rows and not step.violations:
             return None  # nothing changed: update_from_output(previous), then schedule()
         self._num_steps += 1
